@@ -1,0 +1,7 @@
+"""The offline CPU demo (what `opdjax demo` runs): full-vocabulary reverse KL."""
+
+from opdjax.demo import default_config
+
+
+def get_config():
+  return default_config()

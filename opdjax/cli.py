@@ -1,0 +1,59 @@
+"""`opdjax` command line: parses flags and calls the stage's `run`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from opdjax.configlib import ConfigError, apply_overrides, load_config_file
+
+
+def _split_overrides(extra: list[str]) -> dict[str, str]:
+  out = {}
+  it = iter(extra)
+  for arg in it:
+    if not arg.startswith("--config."):
+      raise ConfigError(f"unrecognised argument {arg!r}; overrides look like --config.train.steps=10")
+    key, eq, value = arg[len("--config."):].partition("=")
+    if not eq:
+      value = next(it, None)
+      if value is None:
+        raise ConfigError(f"{arg} needs a value: --config.{key}=VALUE")
+    out[key] = value
+  return out
+
+
+def _summary(records: list[dict]) -> str:
+  first, last = records[0], records[-1]
+  return (f"held-out reverse KL {first['reverse_kl']:.4f} -> {last['reverse_kl']:.4f}; "
+          f"accuracy {first['accuracy']:.3f} -> {last['accuracy']:.3f} over {last['step']} steps")
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="opdjax", description="On-policy distillation in JAX.")
+  sub = parser.add_subparsers(dest="command", required=True)
+  demo = sub.add_parser("demo", help="offline CPU demo: OPD of a small addition student from a cached teacher")
+  demo.add_argument("--out", required=True, help="output folder (metrics.jsonl, config.json, student/)")
+  train = sub.add_parser("train", help="OPD run from a config file")
+  train.add_argument("--config", required=True, help="configs/*.py exporting get_config()")
+  train.add_argument("--out", required=True, help="output folder")
+  args, extra = parser.parse_known_args(argv)
+
+  from opdjax import demo as demo_lib  # heavy imports after argument parsing
+  from opdjax import loop
+
+  try:
+    overrides = _split_overrides(extra)
+    base = demo_lib.default_config() if args.command == "demo" else load_config_file(args.config)
+    cfg = apply_overrides(base, overrides)
+    records = loop.run(cfg, args.out)
+  except (ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
+    print(f"opdjax: error: {e}", file=sys.stderr)
+    return 2
+  print(_summary(records))
+  print(f"wrote {args.out}/metrics.jsonl and {args.out}/student/")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,109 @@
+"""OPD objectives, per token, in fp32.
+
+Notation per position: p_s student, p_t teacher (next-token distributions), y the
+sampled target, w an importance weight. Every objective returns a per-token term;
+the step reduces it with a masked mean `sum(m * w * term) / max(sum(m), 1)`.
+
+- `sampled_rkl`: policy-gradient form of reverse KL on the sampled token (the
+  "on-policy distillation" estimator). Advantage a = -(log p_s(y) - log p_t(y)),
+  held constant; term = -a * log p_s(y). Its gradient is the single-sample
+  estimate of grad KL(p_s || p_t) along the student's own trajectory.
+- `full_rkl`: exact KL(p_s || p_t) = sum_v p_s (log p_s - log p_t) per position.
+- `topk_rkl`: the same over the top-k support S of the teacher (or student) plus
+  one tail bucket holding the mass outside S for each side.
+- `forward_kl`: KL(p_t || p_s) = sum_v p_t (log p_t - log p_s).
+- `jsd`: generalized JSD(beta) = beta KL(p_t || m) + (1 - beta) KL(p_s || m) with
+  m = beta p_t + (1 - beta) p_s (beta in (0, 1)).
+
+Importance correction (trainer vs rollout engine, same tokens): w = exp(log
+p_trainer(y) - log p_rollout(y)), held constant; `tis` truncates it at C, `mis`
+zeroes tokens whose weight exceeds C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+OBJECTIVES = ("sampled_rkl", "full_rkl", "topk_rkl", "forward_kl", "jsd")
+IS_MODES = ("none", "tis", "mis")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  kind: str = "full_rkl"
+  topk: int = 16
+  topk_support: str = "teacher"  # teacher | student
+  jsd_beta: float = 0.5
+  is_correction: str = "none"  # none | tis | mis
+  is_threshold: float = 2.0
+  chunk: int = 256  # sequence positions per chunk of [B, chunk, V] logits
+
+  def __post_init__(self):
+    if self.kind not in OBJECTIVES:
+      raise ValueError(f"loss.kind={self.kind!r}; choose one of {', '.join(OBJECTIVES)}.")
+    if self.is_correction not in IS_MODES:
+      raise ValueError(f"loss.is_correction={self.is_correction!r}; choose one of {', '.join(IS_MODES)}.")
+    if self.topk_support not in ("teacher", "student"):
+      raise ValueError(f"loss.topk_support={self.topk_support!r}; choose 'teacher' or 'student'.")
+    if not 0.0 < self.jsd_beta < 1.0:
+      raise ValueError(f"loss.jsd_beta must be in (0, 1), got {self.jsd_beta}.")
+    if self.topk < 1:
+      raise ValueError(f"loss.topk must be >= 1, got {self.topk}.")
+
+
+def _kl(logp_a, logp_b):
+  """sum_v p_a (log p_a - log p_b) over the last axis."""
+  return jnp.sum(jnp.exp(logp_a) * (logp_a - logp_b), axis=-1)
+
+
+def _topk_rkl(logp_s, logp_t, cfg: LossConfig):
+  side = jax.lax.stop_gradient(logp_t if cfg.topk_support == "teacher" else logp_s)
+  kth = jax.lax.top_k(side, cfg.topk)[0][..., -1:]
+  in_s = side >= kth  # ties at the k-th value join the support
+  inside = jnp.sum(jnp.where(in_s, jnp.exp(logp_s) * (logp_s - logp_t), 0.0), axis=-1)
+  tail_s = jax.nn.logsumexp(jnp.where(in_s, -jnp.inf, logp_s), axis=-1)
+  tail_t = jax.nn.logsumexp(jnp.where(in_s, -jnp.inf, logp_t), axis=-1)
+  finite = jnp.isfinite(tail_s) & jnp.isfinite(tail_t)
+  tail_s = jnp.where(finite, tail_s, 0.0)
+  tail_t = jnp.where(finite, tail_t, 0.0)
+  return inside + jnp.where(finite, jnp.exp(tail_s) * (tail_s - tail_t), 0.0)
+
+
+def per_token_terms(logits_s, logits_t, targets, cfg: LossConfig) -> dict[str, jax.Array]:
+  """Per-position objective term and diagnostics from `[..., V]` logits.
+
+  `logits_t` is treated as a constant (teacher); gradients flow through `logits_s`.
+  """
+  logp_s = jax.nn.log_softmax(logits_s.astype(jnp.float32), axis=-1)
+  logp_t = jax.lax.stop_gradient(jax.nn.log_softmax(logits_t.astype(jnp.float32), axis=-1))
+  lp_s = jnp.take_along_axis(logp_s, targets[..., None], axis=-1)[..., 0]
+  lp_t = jnp.take_along_axis(logp_t, targets[..., None], axis=-1)[..., 0]
+  rkl = _kl(logp_s, logp_t)
+  if cfg.kind == "sampled_rkl":
+    term = -jax.lax.stop_gradient(lp_t - lp_s) * lp_s
+  elif cfg.kind == "full_rkl":
+    term = rkl
+  elif cfg.kind == "topk_rkl":
+    term = _topk_rkl(logp_s, logp_t, cfg)
+  elif cfg.kind == "forward_kl":
+    term = _kl(logp_t, logp_s)
+  else:
+    b = cfg.jsd_beta
+    logm = jnp.logaddexp(jnp.log(b) + logp_t, jnp.log1p(-b) + logp_s)
+    term = b * _kl(logp_t, logm) + (1 - b) * _kl(logp_s, logm)
+  entropy = -jnp.sum(jnp.exp(logp_s) * logp_s, axis=-1)
+  return {"term": term, "reverse_kl": jax.lax.stop_gradient(rkl), "entropy": jax.lax.stop_gradient(entropy),
+          "trainer_logprobs": lp_s, "teacher_logprobs": lp_t}
+
+
+def importance_weights(trainer_lp, rollout_lp, cfg: LossConfig):
+  """Constant per-token weights correcting rollout-engine vs trainer mismatch."""
+  if cfg.is_correction == "none":
+    return jnp.ones_like(trainer_lp)
+  w = jnp.exp(jax.lax.stop_gradient(trainer_lp) - rollout_lp)
+  if cfg.is_correction == "tis":
+    return jnp.minimum(w, cfg.is_threshold)
+  return jnp.where(w <= cfg.is_threshold, w, 0.0)

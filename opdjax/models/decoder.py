@@ -1,0 +1,219 @@
+"""One Flax (Linen) decoder for the Llama, Qwen2 and Qwen3 families.
+
+Contract (gemma style): `apply(params, tokens, positions, attention_mask, cache)
+-> (logits_fp32, cache)`. The KV cache is a plain dict pytree that is passed in
+and returned, updated with `dynamic_update_slice`, never mutated.
+
+Shapes: B batch, T new tokens, S cache slots, D model width, H query heads,
+K key/value heads, G = H // K query heads per kv head, E head_dim, V vocab.
+Without a cache, `attention_mask` is the key-padding mask `[B, T]`; with a cache
+it is the mask of valid cache slots `[B, S]` (after writing the new tokens), and
+the new tokens are written at slot `cache["index"]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from opdjax.models.config import ModelConfig
+
+Params = Any
+Cache = dict[str, Any]
+_NEG_INF = -1e30
+
+
+class RMSNorm(nn.Module):
+  eps: float
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    # Match HF: normalise in fp32, cast back, then scale by the weight.
+    return w.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope(x_BxTxNxE: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding in HF's rotate-half layout, computed in fp32."""
+  e = x_BxTxNxE.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+  ang_BxTxE2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+  cos = jnp.cos(ang_BxTxE2)[:, :, None, :]
+  sin = jnp.sin(ang_BxTxE2)[:, :, None, :]
+  x = x_BxTxNxE.astype(jnp.float32)
+  x1, x2 = x[..., : e // 2], x[..., e // 2 :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxE.dtype)
+
+
+def _dense(features: int, bias: bool, name: str, dtype) -> nn.Dense:
+  return nn.Dense(
+      features,
+      use_bias=bias,
+      name=name,
+      dtype=dtype,
+      param_dtype=jnp.float32,
+      kernel_init=nn.initializers.normal(0.02),
+  )
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, attention_mask, layer_cache):
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    b, t, _ = x_BxTxD.shape
+    h, k, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = _dense(h * e, cfg.attention_bias, "q_proj", dt)(x_BxTxD).reshape(b, t, h, e)
+    kk = _dense(k * e, cfg.attention_bias, "k_proj", dt)(x_BxTxD).reshape(b, t, k, e)
+    v = _dense(k * e, cfg.attention_bias, "v_proj", dt)(x_BxTxD).reshape(b, t, k, e)
+    if cfg.qk_norm:
+      q = RMSNorm(cfg.rms_norm_eps, name="q_norm")(q)
+      kk = RMSNorm(cfg.rms_norm_eps, name="k_norm")(kk)
+    q = rope(q, positions_BxT, cfg.rope_theta)
+    kk = rope(kk, positions_BxT, cfg.rope_theta)
+
+    if layer_cache is None:
+      keys_BxSxKxE, values_BxSxKxE = kk, v
+      q_slot = jnp.arange(t)
+      k_slot = jnp.arange(t)
+      new_cache = None
+    else:
+      idx = layer_cache["index"]
+      keys_BxSxKxE = jax.lax.dynamic_update_slice(
+          layer_cache["k"], kk.astype(layer_cache["k"].dtype), (0, idx, 0, 0))
+      values_BxSxKxE = jax.lax.dynamic_update_slice(
+          layer_cache["v"], v.astype(layer_cache["v"].dtype), (0, idx, 0, 0))
+      new_cache = {"k": keys_BxSxKxE, "v": values_BxSxKxE}
+      q_slot = idx + jnp.arange(t)
+      k_slot = jnp.arange(keys_BxSxKxE.shape[1])
+    causal_TxS = q_slot[:, None] >= k_slot[None, :]
+    mask_BxTxS = causal_TxS[None] & attention_mask[:, None, :].astype(bool)
+
+    g = h // k
+    q_BxTxKxGxE = q.reshape(b, t, k, g, e)
+    scores = jnp.einsum(
+        "btkge,bske->bkgts", q_BxTxKxGxE, keys_BxSxKxE.astype(dt),
+        preferred_element_type=jnp.float32) * (e ** -0.5)
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bske->btkge", probs, values_BxSxKxE.astype(dt))
+    out = out.reshape(b, t, h * e)
+    return _dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", dt)(out), new_cache
+
+
+class MLP(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    gate = _dense(cfg.intermediate_size, cfg.mlp_bias, "gate_proj", dt)(x)
+    up = _dense(cfg.intermediate_size, cfg.mlp_bias, "up_proj", dt)(x)
+    return _dense(cfg.hidden_size, cfg.mlp_bias, "down_proj", dt)(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, attention_mask, layer_cache):
+    cfg = self.cfg
+    h = RMSNorm(cfg.rms_norm_eps, name="input_layernorm")(x)
+    a, layer_cache = Attention(cfg, name="self_attn")(h, positions, attention_mask, layer_cache)
+    x = x + a
+    h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm")(x)
+    return x + MLP(cfg, name="mlp")(h), layer_cache
+
+
+class Decoder(nn.Module):
+  """Returns the final hidden states `[B, T, D]`; `logits` projects them."""
+
+  cfg: ModelConfig
+  remat: bool = False
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed_tokens = nn.Embed(
+        cfg.vocab_size, cfg.hidden_size, param_dtype=jnp.float32,
+        embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
+    layer_cls = nn.remat(DecoderLayer) if self.remat else DecoderLayer
+    self.layers = [layer_cls(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
+    self.norm = RMSNorm(cfg.rms_norm_eps, name="norm")
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _dense(cfg.vocab_size, False, "lm_head", jnp.dtype(cfg.dtype))
+
+  def __call__(self, tokens_BxT, positions_BxT, attention_mask, cache: Cache | None = None):
+    x = self.embed_tokens(tokens_BxT).astype(jnp.dtype(self.cfg.dtype))
+    new_layers = []
+    for i, layer in enumerate(self.layers):
+      lc = None if cache is None else {**cache["layers"][i], "index": cache["index"]}
+      x, lc = layer(x, positions_BxT, attention_mask, lc)
+      new_layers.append(lc)
+    x = self.norm(x)
+    if cache is not None:
+      cache = {"index": cache["index"] + tokens_BxT.shape[1], "layers": new_layers}
+    return x, cache
+
+  def logits(self, hidden_BxTxD):
+    """fp32 logits from hidden states (also usable on a chunk of positions)."""
+    if self.cfg.tie_word_embeddings:
+      w_DxV = self.embed_tokens.embedding.T
+    else:
+      w_DxV = self.lm_head.variables["params"]["kernel"]
+    dt = jnp.dtype(self.cfg.dtype)
+    return jnp.einsum("...d,dv->...v", hidden_BxTxD.astype(dt), w_DxV.astype(dt),
+                      preferred_element_type=jnp.float32)
+
+  def init_all(self, tokens_BxT):
+    """Touches every parameter (used by `init`)."""
+    pos = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+    h, _ = self(tokens_BxT, pos, jnp.ones_like(tokens_BxT))
+    if not self.cfg.tie_word_embeddings:
+      return self.lm_head(h)
+    return h
+
+
+class Model:
+  """Pure-functional handle on the decoder: params are a plain pytree."""
+
+  def __init__(self, cfg: ModelConfig, remat: bool = False):
+    self.cfg = cfg
+    self.module = Decoder(cfg, remat=remat)
+
+  def init(self, rng: jax.Array) -> Params:
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    return self.module.init(rng, tokens, method=Decoder.init_all)["params"]
+
+  def hidden(self, params, tokens, positions, attention_mask, cache=None):
+    return self.module.apply({"params": params}, tokens, positions, attention_mask, cache)
+
+  def logits(self, params, hidden):
+    return self.module.apply({"params": params}, hidden, method=Decoder.logits)
+
+  def apply(self, params, tokens, positions, attention_mask, cache=None):
+    """`(logits_fp32 [B, T, V], cache)`."""
+    h, cache = self.hidden(params, tokens, positions, attention_mask, cache)
+    return self.logits(params, h), cache
+
+  def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+    cfg = self.cfg
+    dt = jnp.dtype(dtype or cfg.dtype)
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return {
+        "index": jnp.zeros((), jnp.int32),
+        "layers": [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+                   for _ in range(cfg.num_layers)],
+    }
+
+
+def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
+  """RoPE positions for left- or right-padded rows: 0 at each row's first real token."""
+  return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)

@@ -1,0 +1,76 @@
+"""The rollout interface shared by every engine (embedded JAX, vLLM sidecar)."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Sampling settings, named as in vLLM. `temperature=0` is greedy."""
+
+  max_new_tokens: int = 32
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0  # 0 = off
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
+
+
+@flax.struct.dataclass
+class Rollout:
+  """Prompts (left-padded) and sampled completions (right-padded).
+
+  `rollout_logprobs[b, j]` is the log-prob of `completion_tokens[b, j]` under the
+  distribution the engine sampled from (temperature, top-k and top-p applied;
+  for greedy decoding, the unscaled model). Zero where `completion_mask` is 0.
+  """
+
+  prompt_tokens: jax.Array  # [B, P] int32
+  prompt_mask: jax.Array  # [B, P] bool
+  completion_tokens: jax.Array  # [B, N] int32
+  completion_mask: jax.Array  # [B, N] bool, covers the EOS token when one was sampled
+  rollout_logprobs: jax.Array  # [B, N] fp32
+  params_version: int = flax.struct.field(pytree_node=False, default=0)
+  sampling: SamplingParams = flax.struct.field(pytree_node=False, default=SamplingParams())
+  seed: int = flax.struct.field(pytree_node=False, default=0)
+
+  @property
+  def num_tokens(self) -> int:
+    return int(jnp.sum(self.completion_mask))
+
+  def completions(self) -> list[list[int]]:
+    toks = jax.device_get(self.completion_tokens)
+    mask = jax.device_get(self.completion_mask)
+    return [[int(t) for t, m in zip(row, mrow) if m] for row, mrow in zip(toks, mask)]
+
+
+class RolloutEngine(abc.ABC):
+  """Generates rollouts from prompts given as token ids."""
+
+  @abc.abstractmethod
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> Rollout:
+    ...
+
+  @abc.abstractmethod
+  def set_params(self, params, version: int) -> None:
+    """Installs new weights; `version` is recorded in later rollouts."""
+
+  @property
+  @abc.abstractmethod
+  def params_version(self) -> int:
+    ...

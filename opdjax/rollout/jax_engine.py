@@ -1,0 +1,132 @@
+"""The embedded JAX rollout engine.
+
+One jitted function does the prefill and the whole decode loop
+(`lax.while_loop`, no Python loop per token) over a preallocated KV cache that is
+donated into the call and handed back for the next one. Prompts are left-padded
+so every row writes the same cache slot at each step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opdjax.models.decoder import Model, positions_from_mask
+from opdjax.rollout.base import Rollout, RolloutEngine, SamplingParams
+from opdjax.rollout.sampling import sample
+
+
+class PromptTooLongError(ValueError):
+  pass
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 8):
+  """Left-pads to a length rounded up to `multiple` (bounds recompilation)."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("every prompt needs at least one token.")
+  p_len = -(-max(len(p) for p in prompts) // multiple) * multiple
+  toks = np.full((len(prompts), p_len), pad_id, np.int32)
+  mask = np.zeros((len(prompts), p_len), bool)
+  for i, p in enumerate(prompts):
+    toks[i, p_len - len(p):] = p
+    mask[i, p_len - len(p):] = True
+  return toks, mask
+
+
+def _generate(params, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
+              sampling: SamplingParams, eos_ids: tuple[int, ...], pad_id: int):
+  b, p = prompt_BxP.shape
+  n = sampling.max_new_tokens
+  positions = positions_from_mask(prompt_mask_BxP)
+  kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((b, n), bool)], axis=1)
+  cache = {**cache, "index": jnp.zeros((), jnp.int32)}
+  h, cache = model.hidden(params, prompt_BxP, positions, kv_mask_BxS, cache)
+  logits = model.logits(params, h[:, -1])
+  eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+
+  def cond(s):
+    return (s["step"] < n) & ~jnp.all(s["done"])
+
+  def body(s):
+    rng, sub = jax.random.split(s["rng"])
+    tok, lp = sample(s["logits"], sub, sampling)
+    live = ~s["done"]
+    tok = jnp.where(live, tok, pad_id)
+    step = s["step"]
+    out = {
+        "tokens": s["tokens"].at[:, step].set(tok),
+        "logprobs": s["logprobs"].at[:, step].set(jnp.where(live, lp, 0.0)),
+        "mask": s["mask"].at[:, step].set(live),
+    }
+    done = s["done"] | jnp.isin(tok, eos)
+    kv_mask = s["kv_mask"].at[:, p + step].set(True)
+    h, cache = model.hidden(params, tok[:, None], s["pos"][:, None], kv_mask, s["cache"])
+    return {**out, "step": step + 1, "done": done, "kv_mask": kv_mask, "cache": cache,
+            "pos": s["pos"] + 1, "rng": rng, "logits": model.logits(params, h[:, 0])}
+
+  state = {
+      "step": jnp.zeros((), jnp.int32),
+      "done": jnp.zeros((b,), bool),
+      "tokens": jnp.full((b, n), pad_id, jnp.int32),
+      "logprobs": jnp.zeros((b, n), jnp.float32),
+      "mask": jnp.zeros((b, n), bool),
+      "kv_mask": kv_mask_BxS,
+      "cache": cache,
+      "pos": positions[:, -1] + 1,
+      "rng": rng,
+      "logits": logits,
+  }
+  s = jax.lax.while_loop(cond, body, state)
+  return s["tokens"], s["mask"], s["logprobs"], s["cache"]
+
+
+class JaxEngine(RolloutEngine):
+  """Batched sampling with the opdjax decoder, fully jitted."""
+
+  def __init__(self, model: Model, params, *, max_len: int, pad_id: int,
+               eos_ids: Sequence[int] | None = None, version: int = 0, kv_dtype=None):
+    self.model = model
+    self.max_len = max_len
+    self.pad_id = pad_id
+    self.eos_ids = tuple(model.cfg.eos_ids if eos_ids is None else eos_ids)
+    self.kv_dtype = kv_dtype
+    self._params = params
+    self._version = version
+    self._cache = None
+    self._compiled: dict[SamplingParams, object] = {}
+
+  @property
+  def params_version(self) -> int:
+    return self._version
+
+  def set_params(self, params, version: int) -> None:
+    self._params = params
+    self._version = version
+
+  def _fn(self, sampling: SamplingParams):
+    if sampling not in self._compiled:
+      fn = functools.partial(_generate, model=self.model, sampling=sampling,
+                             eos_ids=self.eos_ids, pad_id=self.pad_id)
+      self._compiled[sampling] = jax.jit(fn, donate_argnames=("cache",))
+    return self._compiled[sampling]
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Rollout:
+    toks, mask = pad_prompts(prompts, self.pad_id)
+    longest = max(len(p) for p in prompts)
+    total = toks.shape[1] + sampling.max_new_tokens
+    if longest + sampling.max_new_tokens > self.max_len:
+      raise PromptTooLongError(
+          f"prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} exceeds the"
+          f" engine's max_len={self.max_len}; shorten the prompt or raise rollout.max_len.")
+    b = toks.shape[0]
+    if self._cache is None or self._cache["layers"][0]["k"].shape[:2] != (b, total):
+      self._cache = self.model.init_cache(b, total, self.kv_dtype)
+    tokens, cmask, lps, self._cache = self._fn(sampling)(
+        self._params, self._cache, jnp.asarray(toks), jnp.asarray(mask), jax.random.key(seed))
+    return Rollout(prompt_tokens=jnp.asarray(toks), prompt_mask=jnp.asarray(mask),
+                   completion_tokens=tokens, completion_mask=cmask, rollout_logprobs=lps,
+                   params_version=self._version, sampling=sampling, seed=seed)

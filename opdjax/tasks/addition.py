@@ -1,0 +1,71 @@
+"""Multi-digit addition with a character tokenizer and an exact verifier.
+
+A prompt is `<bos>a+b=`; the answer is the digits of a + b written
+least-significant first (so every carry is known when its digit is written),
+then `<eos>`. Small enough to train a teacher on 2 CPU cores in a minute, hard
+enough that a smaller student is measurably worse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+PAD, BOS, EOS = 0, 1, 2
+_CHARS = "0123456789+="
+VOCAB_SIZE = 16  # 3 specials + 12 characters, rounded up
+
+
+class CharTokenizer:
+  pad_token_id, bos_token_id, eos_token_id = PAD, BOS, EOS
+  vocab_size = VOCAB_SIZE
+
+  def encode(self, text: str) -> list[int]:
+    try:
+      return [3 + _CHARS.index(c) for c in text]
+    except ValueError as e:
+      raise ValueError(f"character outside the addition vocabulary {_CHARS!r} in {text!r}") from e
+
+  def decode(self, ids) -> str:
+    return "".join(_CHARS[i - 3] for i in ids if 3 <= i < 3 + len(_CHARS))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdditionTask:
+  max_digits: int = 3
+  tokenizer: CharTokenizer = dataclasses.field(default_factory=CharTokenizer)
+
+  @property
+  def max_answer_tokens(self) -> int:
+    return self.max_digits + 2  # one carry digit and <eos>
+
+  @property
+  def max_prompt_tokens(self) -> int:
+    return 2 * self.max_digits + 3
+
+  def sample_pairs(self, rng: np.random.Generator, n: int) -> np.ndarray:
+    # Draw the digit count first so short numbers are as common as long ones.
+    digits = rng.integers(1, self.max_digits + 1, size=(n, 2))
+    lo = np.where(digits == 1, 0, 10 ** (digits - 1))
+    return rng.integers(lo, 10**digits)
+
+  def prompt(self, a: int, b: int) -> list[int]:
+    return [BOS] + self.tokenizer.encode(f"{a}+{b}=")
+
+  def answer(self, a: int, b: int) -> list[int]:
+    return self.tokenizer.encode(str(a + b)[::-1]) + [EOS]
+
+  def prompts(self, pairs: np.ndarray) -> list[list[int]]:
+    return [self.prompt(int(a), int(b)) for a, b in pairs]
+
+  def is_correct(self, pair, completion: list[int]) -> bool:
+    """Exact verifier: the completion must be the reversed sum followed by <eos>."""
+    return list(completion) == self.answer(int(pair[0]), int(pair[1]))
+
+  def accuracy(self, pairs: np.ndarray, completions: list[list[int]]) -> float:
+    return float(np.mean([self.is_correct(p, c) for p, c in zip(pairs, completions)]))
+
+  def eval_pairs(self, n: int, seed: int = 12345) -> np.ndarray:
+    """A fixed held-out set (training prompts come from other seeds)."""
+    return self.sample_pairs(np.random.default_rng(seed), n)

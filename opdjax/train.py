@@ -1,0 +1,102 @@
+"""The OPD train step: a module-level pure function, jitted once with donated state."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from opdjax.loss import LossConfig, importance_weights, per_token_terms
+from opdjax.models.decoder import Model
+from opdjax.scoring import TrainBatch, chunked_over_positions, masked_mean
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 1e-4
+  warmup_steps: int = 10
+  total_steps: int = 1000
+  end_lr_fraction: float = 0.1
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.95
+  max_grad_norm: float = 1.0
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=max(cfg.warmup_steps, 1),
+      decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
+      end_value=cfg.learning_rate * cfg.end_lr_fraction)
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.max_grad_norm),
+      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+  )
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: dict
+  opt_state: optax.OptState
+
+  @classmethod
+  def create(cls, params, optimizer: optax.GradientTransformation) -> TrainState:
+    return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teacher: Model,
+             loss_cfg: LossConfig):
+  """Masked OPD loss and per-batch metrics. Teacher is a constant."""
+  h_s, _ = student.hidden(params, batch["tokens"], batch["positions"], batch["attention_mask"])
+  h_t, _ = teacher.hidden(teacher_params, batch["tokens"], batch["positions"], batch["attention_mask"])
+  h_t = jax.lax.stop_gradient(h_t)
+
+  def per_chunk(hs, ht, tgt):
+    logits_t = jax.lax.stop_gradient(teacher.logits(teacher_params, ht))
+    return per_token_terms(student.logits(params, hs), logits_t, tgt, loss_cfg)
+
+  terms = chunked_over_positions(per_chunk, loss_cfg.chunk, h_s, h_t, batch["targets"])
+  mask = batch["loss_mask"]
+  w = importance_weights(terms["trainer_logprobs"], batch["rollout_logprobs"], loss_cfg)
+  loss = masked_mean(w * terms["term"], mask)
+  metrics = {
+      "loss": loss,
+      "reverse_kl": masked_mean(terms["reverse_kl"], mask),
+      "entropy": masked_mean(terms["entropy"], mask),
+      "is_weight_mean": masked_mean(w, mask),
+      "num_tokens": jnp.sum(mask),
+  }
+  return loss, metrics
+
+
+def train_step(state: TrainState, teacher_params, batch: TrainBatch, *, student: Model,
+               teacher: Model, loss_cfg: LossConfig, optimizer: optax.GradientTransformation):
+  """`(state, batch) -> (state, metrics)`; pure, jit with `make_train_step`."""
+  grad_fn = jax.value_and_grad(
+      functools.partial(opd_loss, student=student, teacher=teacher, loss_cfg=loss_cfg), has_aux=True)
+  (_, metrics), grads = grad_fn(state.params, teacher_params, batch)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics["grad_norm"] = optax.global_norm(grads)
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def check_compatible(student: Model, teacher: Model) -> None:
+  if student.cfg.vocab_size != teacher.cfg.vocab_size:
+    raise ValueError(
+        f"student vocab_size={student.cfg.vocab_size} != teacher vocab_size="
+        f"{teacher.cfg.vocab_size}: OPD needs one shared tokenizer; pick models from the same family.")
+
+
+def make_train_step(student: Model, teacher: Model, loss_cfg: LossConfig,
+                    optimizer: optax.GradientTransformation):
+  """The step jitted once, with the train state donated."""
+  check_compatible(student, teacher)
+  fn = functools.partial(train_step, student=student, teacher=teacher, loss_cfg=loss_cfg,
+                         optimizer=optimizer)
+  return jax.jit(fn, donate_argnums=0)

@@ -1,0 +1,60 @@
+"""End to end: the CLI's OPD run on the addition task improves the student."""
+
+import json
+import os
+
+import pytest
+
+from opdjax import cli
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("opdjax-cache"))
+  old = os.environ.get("OPDJAX_CACHE")
+  os.environ["OPDJAX_CACHE"] = path
+  yield path
+  if old is None:
+    del os.environ["OPDJAX_CACHE"]
+  else:
+    os.environ["OPDJAX_CACHE"] = old
+
+
+@pytest.mark.slow
+def test_train_cli_student_improves(cache, tmp_path, capsys):
+  out = str(tmp_path / "run")
+  rc = cli.main(["train", "--config", "configs/demo.py", "--out", out, "--config.train.steps=200",
+                 "--config.optim.total_steps=200", "--config.train.eval_every=50"])
+  assert rc == 0
+  recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+  assert [r["step"] for r in recs] == list(range(201))
+  for r in recs:
+    assert {"step", "reverse_kl", "accuracy"} <= set(r)
+  first, last = recs[0], recs[-1]
+  assert last["reverse_kl"] < 0.5 * first["reverse_kl"]
+  assert last["accuracy"] > first["accuracy"] + 0.1
+  # The student folder is a real HF checkpoint of the trained params.
+  assert os.path.exists(os.path.join(out, "student", "model.safetensors"))
+  # Teacher and student were cached as HF folders; a second run does not overwrite the output.
+  assert len(os.listdir(os.path.join(cache, "demo"))) == 2
+  rc = cli.main(["train", "--config", "configs/demo.py", "--out", out, "--config.train.steps=1"])
+  assert rc == 2
+  assert "already exists" in capsys.readouterr().err
+  assert len(open(os.path.join(out, "metrics.jsonl")).readlines()) == 201
+
+
+def test_cli_unknown_key_is_clear(tmp_path, capsys):
+  rc = cli.main(["train", "--config", "configs/demo.py", "--out", str(tmp_path / "x"), "--config.train.stepz=3"])
+  assert rc == 2
+  err = capsys.readouterr().err
+  assert "unknown config key --config.train.stepz" in err
+  assert not os.path.exists(tmp_path / "x")
+
+
+def test_vocab_mismatch_is_clear():
+  from opdjax.models import Model, ModelConfig
+  from opdjax.train import check_compatible
+  a = Model(ModelConfig("llama", 16, 8, 16, 1, 2, 2, 4))
+  b = Model(ModelConfig("llama", 32, 8, 16, 1, 2, 2, 4))
+  with pytest.raises(ValueError, match="vocab_size=16 != teacher vocab_size=32"):
+    check_compatible(a, b)
