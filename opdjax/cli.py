@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from opdjax.configlib import ConfigError, apply_overrides, load_config_file
+from opdjax.errors import UserError
 
 
 def _split_overrides(extra: list[str]) -> dict[str, str]:
@@ -25,8 +26,8 @@ def _split_overrides(extra: list[str]) -> dict[str, str]:
 
 def _summary(records: list[dict]) -> str:
   first, last = records[0], records[-1]
-  return (f"held-out reverse KL {first['reverse_kl']:.4f} -> {last['reverse_kl']:.4f}; "
-          f"accuracy {first['accuracy']:.3f} -> {last['accuracy']:.3f} over {last['step']} steps")
+  parts = [f"held-out {k} {first[k]:.4f} -> {last[k]:.4f}" for k in ("reverse_kl", "accuracy") if k in last]
+  return "; ".join(parts) + f" over {last['step']} steps"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     base = demo_lib.default_config() if args.command == "demo" else load_config_file(args.config)
     cfg = apply_overrides(base, overrides)
     records = loop.run(cfg, args.out)
-  except (ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
+  except (UserError, FileExistsError, FileNotFoundError) as e:
     print(f"opdjax: error: {e}", file=sys.stderr)
     return 2
   print(_summary(records))

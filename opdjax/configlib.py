@@ -12,8 +12,10 @@ import os
 
 import ml_collections
 
+from opdjax.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
   pass
 
 

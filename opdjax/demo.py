@@ -29,7 +29,11 @@ _CACHE_FORMAT = 1
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.task = ml_collections.ConfigDict({"name": "addition", "max_digits": 2, "num_eval": 256})
+  # task.name "addition" (built-in, exact verifier) or "prompts" (task.path: JSONL of prompts).
+  c.task = ml_collections.ConfigDict({"name": "addition", "max_digits": 2, "num_eval": 256, "path": "",
+                                      "chat_template": False})
+  # Compute dtype of both models' matmuls (params stay fp32; logits and KL are always fp32).
+  c.model = ml_collections.ConfigDict({"dtype": "float32", "remat": False})
   c.teacher = ml_collections.ConfigDict({
       "path": "", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "sft_steps": 1200,
       "sft_batch": 64, "sft_lr": 3e-3})

@@ -16,92 +16,117 @@ import numpy as np
 from tqdm import tqdm
 
 from opdjax.demo import cached_sft_model
+from opdjax.errors import UserError
 from opdjax.loss import LossConfig
 from opdjax.models import Model, ModelConfig, load_hf_params, save_hf_params
 from opdjax.rollout import JaxEngine, SamplingParams
 from opdjax.scoring import batch_from_rollout
-from opdjax.tasks.addition import EOS, PAD, AdditionTask
+from opdjax.tasks.addition import AdditionTask
+from opdjax.tasks.prompts import PromptsTask
 from opdjax.train import OptimConfig, TrainState, make_optimizer, make_train_step, opd_loss
 
 
-def _load_model(role: str, mc: ml_collections.ConfigDict, task: AdditionTask, seed: int):
+def make_task(cfg: ml_collections.ConfigDict):
+  if cfg.task.name == "addition":
+    return AdditionTask(cfg.task.max_digits, num_eval=cfg.task.num_eval)
+  if cfg.task.name == "prompts":
+    if not cfg.teacher.path:
+      raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
+    return PromptsTask(cfg.task.path, cfg.teacher.path, cfg.task.num_eval, cfg.task.chat_template,
+                       cfg.rollout.max_len - cfg.rollout.max_new_tokens)
+  raise UserError(f"task.name={cfg.task.name!r}: choose 'addition' or 'prompts'.")
+
+
+def load_model(role: str, cfg: ml_collections.ConfigDict, task):
+  mc = cfg[role]
   if mc.path:
-    cfg = ModelConfig.from_pretrained(mc.path)
-    if cfg.vocab_size != task.tokenizer.vocab_size:
-      raise ValueError(
-          f"{role}.path={mc.path} has vocab_size={cfg.vocab_size}, but the addition task uses its own"
-          f" {task.tokenizer.vocab_size}-token character vocabulary; leave {role}.path empty to use the"
-          " demo models, or pass a folder exported from them.")
-    return Model(cfg), load_hf_params(mc.path, cfg)
-  model, params, _ = cached_sft_model(role, mc, task, seed)
-  return model, params
+    model_cfg = ModelConfig.from_pretrained(mc.path)
+    params = load_hf_params(mc.path, model_cfg)
+  elif isinstance(task, AdditionTask):
+    model, params, _ = cached_sft_model(role, mc, task, cfg.seed)
+    model_cfg = model.cfg
+  else:
+    raise UserError(f"{role}.path is empty: give an HF safetensors folder for the {role}.")
+  if model_cfg.vocab_size < task.vocab_size:
+    raise UserError(f"{role} vocab_size={model_cfg.vocab_size} is smaller than the task's tokenizer"
+                     f" ({task.vocab_size} tokens); use a {role} that matches the prompts' tokenizer.")
+  return Model(model_cfg.replace(dtype=cfg.model.dtype), remat=cfg.model.remat), params
 
 
-def _open_metrics(out_dir: str):
+def _check_out_dir(out_dir: str) -> str:
   path = os.path.join(out_dir, "metrics.jsonl")
   if os.path.exists(path):
     raise FileExistsError(f"{path} already exists; pass a new --out folder (nothing was overwritten).")
-  os.makedirs(out_dir, exist_ok=True)
-  return open(path, "w")
+  return path
 
 
 def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True) -> list[dict]:
-  if cfg.task.name != "addition":
-    raise ValueError(f"task.name={cfg.task.name!r}: the only built-in task is 'addition'.")
   if cfg.rollout.engine != "jax":
-    raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: available engines: 'jax'.")
+    raise UserError(f"rollout.engine={cfg.rollout.engine!r}: available engines: 'jax'.")
   loss_cfg = LossConfig(**cfg.loss)
   optim_cfg = OptimConfig(**cfg.optim)
   sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
-  task = AdditionTask(cfg.task.max_digits)
-  metrics_file = _open_metrics(out_dir)
+  metrics_path = _check_out_dir(out_dir)
+  task = make_task(cfg)
+  teacher, teacher_params = load_model("teacher", cfg, task)
+  student, student_params = load_model("student", cfg, task)
+  optimizer = make_optimizer(optim_cfg)
+  step_fn = make_train_step(student, teacher, loss_cfg, optimizer)  # checks the vocabularies match
+  eval_fn = jax.jit(functools.partial(opd_loss, student=student, teacher=teacher,
+                                      loss_cfg=LossConfig(kind="full_rkl", chunk=loss_cfg.chunk)))
+
+  os.makedirs(out_dir, exist_ok=True)
+  metrics_file = open(metrics_path, "x")
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(cfg.to_dict(), f, indent=2)
 
-  teacher, teacher_params = _load_model("teacher", cfg.teacher, task, cfg.seed)
-  student, student_params = _load_model("student", cfg.student, task, cfg.seed)
-  optimizer = make_optimizer(optim_cfg)
-  step_fn = make_train_step(student, teacher, loss_cfg, optimizer)
-  eval_fn = jax.jit(functools.partial(opd_loss, student=student, teacher=teacher,
-                                      loss_cfg=LossConfig(kind="full_rkl", chunk=loss_cfg.chunk)))
   state = TrainState.create(student_params, optimizer)
-  engine = JaxEngine(student, state.params, max_len=cfg.rollout.max_len, pad_id=PAD, eos_ids=(EOS,))
-  eval_engine = JaxEngine(student, state.params, max_len=cfg.rollout.max_len, pad_id=PAD, eos_ids=(EOS,))
-  eval_pairs = task.eval_pairs(cfg.task.num_eval)
-  eval_prompts = task.prompts(eval_pairs)
+  engine_kw = {"max_len": cfg.rollout.max_len, "pad_id": task.pad_id, "eos_ids": task.eos_ids}
+  engine = JaxEngine(student, state.params, **engine_kw)
+  eval_engine = JaxEngine(student, state.params, **engine_kw)
+  eval_prompts, eval_refs = task.eval_set()
   greedy = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
   rng = np.random.default_rng(cfg.seed)
 
   def evaluate(params, version):
+    """Held-out reverse KL on the student's own samples, and the verifier's score of greedy answers."""
     eval_engine.set_params(params, version)
     r = eval_engine.generate(eval_prompts, sampling, seed=cfg.seed + 7)
     _, m = eval_fn(params, teacher_params, batch_from_rollout(r))
-    g = eval_engine.generate(eval_prompts, greedy, seed=0)
-    return {"reverse_kl": float(m["reverse_kl"]), "accuracy": task.accuracy(eval_pairs, g.completions())}
+    out = {"reverse_kl": float(m["reverse_kl"])}
+    acc = task.score(eval_refs, eval_engine.generate(eval_prompts, greedy, seed=0).completions())
+    if acc is not None:
+      out["accuracy"] = acc
+    return out
+
+  def postfix(ev):
+    return {k[:3]: f"{v:.4f}" for k, v in ev.items()}
 
   last_eval = evaluate(state.params, 0)
   records = [{"step": 0, **last_eval}]
   metrics_file.write(json.dumps(records[0]) + "\n")
   bar = tqdm(range(cfg.train.steps), desc="OPD", unit="step", disable=not progress)
-  bar.set_postfix(acc=f"{last_eval['accuracy']:.3f}", rkl=f"{last_eval['reverse_kl']:.4f}")
+  bar.set_postfix(postfix(last_eval))
   t0 = time.time()
   for step in bar:
-    pairs = task.sample_pairs(rng, cfg.rollout.batch_size)
+    prompts, refs = task.train_batch(rng, cfg.rollout.batch_size)
     engine.set_params(state.params, step)  # on-policy: the engine samples with the current params
-    rollout = engine.generate(task.prompts(pairs), sampling, seed=cfg.seed * 1_000_003 + step)
-    train_acc = task.accuracy(pairs, rollout.completions())
+    rollout = engine.generate(prompts, sampling, seed=cfg.seed * 1_000_003 + step)
     state, m = step_fn(state, teacher_params, batch_from_rollout(rollout))
-    rec = {"step": step + 1, "params_version": rollout.params_version, "train_accuracy": train_acc}
-    rec.update({k if k != "reverse_kl" else "train_reverse_kl": float(v) for k, v in m.items()})
+    rec = {"step": step + 1, "params_version": rollout.params_version}
+    train_score = task.score(refs, rollout.completions())
+    if train_score is not None:
+      rec["train_accuracy"] = train_score
+    rec.update({("train_reverse_kl" if k == "reverse_kl" else k): float(v) for k, v in m.items()})
     if (step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps:
       last_eval = evaluate(state.params, step + 1)
-      bar.set_postfix(acc=f"{last_eval['accuracy']:.3f}", rkl=f"{last_eval['reverse_kl']:.4f}")
+      bar.set_postfix(postfix(last_eval))
     rec.update(last_eval)  # held-out numbers from the latest evaluation
     rec["elapsed_s"] = round(time.time() - t0, 3)
     metrics_file.write(json.dumps(rec) + "\n")
     metrics_file.flush()
     records.append(rec)
   metrics_file.close()
-  save_hf_params(state.params, student.cfg, os.path.join(out_dir, "student"))
+  save_hf_params(state.params, student.cfg.replace(dtype="float32"), os.path.join(out_dir, "student"))
   return records

@@ -27,6 +27,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from opdjax.errors import UserError
+
 OBJECTIVES = ("sampled_rkl", "full_rkl", "topk_rkl", "forward_kl", "jsd")
 IS_MODES = ("none", "tis", "mis")
 
@@ -43,15 +45,15 @@ class LossConfig:
 
   def __post_init__(self):
     if self.kind not in OBJECTIVES:
-      raise ValueError(f"loss.kind={self.kind!r}; choose one of {', '.join(OBJECTIVES)}.")
+      raise UserError(f"loss.kind={self.kind!r}; choose one of {', '.join(OBJECTIVES)}.")
     if self.is_correction not in IS_MODES:
-      raise ValueError(f"loss.is_correction={self.is_correction!r}; choose one of {', '.join(IS_MODES)}.")
+      raise UserError(f"loss.is_correction={self.is_correction!r}; choose one of {', '.join(IS_MODES)}.")
     if self.topk_support not in ("teacher", "student"):
-      raise ValueError(f"loss.topk_support={self.topk_support!r}; choose 'teacher' or 'student'.")
+      raise UserError(f"loss.topk_support={self.topk_support!r}; choose 'teacher' or 'student'.")
     if not 0.0 < self.jsd_beta < 1.0:
-      raise ValueError(f"loss.jsd_beta must be in (0, 1), got {self.jsd_beta}.")
+      raise UserError(f"loss.jsd_beta must be in (0, 1), got {self.jsd_beta}.")
     if self.topk < 1:
-      raise ValueError(f"loss.topk must be >= 1, got {self.topk}.")
+      raise UserError(f"loss.topk must be >= 1, got {self.topk}.")
 
 
 def _kl(logp_a, logp_b):

@@ -8,7 +8,7 @@ sequence so no `[B, L, V]` array is ever materialised.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

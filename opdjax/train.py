@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from opdjax.errors import UserError
 from opdjax.loss import LossConfig, importance_weights, per_token_terms
 from opdjax.models.decoder import Model
 from opdjax.scoring import TrainBatch, chunked_over_positions, masked_mean
@@ -82,13 +83,13 @@ def train_step(state: TrainState, teacher_params, batch: TrainBatch, *, student:
   (_, metrics), grads = grad_fn(state.params, teacher_params, batch)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics["grad_norm"] = optax.global_norm(grads)
+  metrics["grad_norm"] = optax.tree.norm(grads)
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def check_compatible(student: Model, teacher: Model) -> None:
   if student.cfg.vocab_size != teacher.cfg.vocab_size:
-    raise ValueError(
+    raise UserError(
         f"student vocab_size={student.cfg.vocab_size} != teacher vocab_size="
         f"{teacher.cfg.vocab_size}: OPD needs one shared tokenizer; pick models from the same family.")
 

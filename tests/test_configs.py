@@ -38,7 +38,7 @@ def test_override_sets_typed_values():
 @pytest.mark.parametrize("key,value,match", [
     ("train.stepz", "3", "train has no 'stepz'"),
     ("nope.x", "3", "<root> has no 'nope'"),
-    ("train.steps", "abc", "expected int"),
+    ("train.steps", "abc", "cannot parse"),
     ("train.steps", "1.5", "expected int"),
 ])
 def test_bad_override_is_one_clear_error(key, value, match):

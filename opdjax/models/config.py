@@ -11,10 +11,12 @@ import json
 import os
 from typing import Any
 
+from opdjax.errors import UserError
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError):
   """A config asks for a family or option this decoder does not implement."""
 
 

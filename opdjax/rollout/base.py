@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from opdjax.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,13 +24,13 @@ class SamplingParams:
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+      raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
     if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+      raise UserError(f"temperature must be >= 0, got {self.temperature}.")
     if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+      raise UserError(f"top_p must be in (0, 1], got {self.top_p}.")
     if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
+      raise UserError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
 
 
 @flax.struct.dataclass

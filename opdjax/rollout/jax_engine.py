@@ -9,18 +9,19 @@ so every row writes the same cache slot at each step.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opdjax.errors import UserError
 from opdjax.models.decoder import Model, positions_from_mask
 from opdjax.rollout.base import Rollout, RolloutEngine, SamplingParams
 from opdjax.rollout.sampling import sample
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(UserError):
   pass
 
 

@@ -69,3 +69,21 @@ class AdditionTask:
   def eval_pairs(self, n: int, seed: int = 12345) -> np.ndarray:
     """A fixed held-out set (training prompts come from other seeds)."""
     return self.sample_pairs(np.random.default_rng(seed), n)
+
+  # --- the task interface the OPD loop uses (shared with PromptsTask) ---
+
+  pad_id = PAD
+  eos_ids = (EOS,)
+  vocab_size = VOCAB_SIZE
+  num_eval: int = 256
+
+  def train_batch(self, rng: np.random.Generator, n: int):
+    pairs = self.sample_pairs(rng, n)
+    return self.prompts(pairs), pairs
+
+  def eval_set(self):
+    pairs = self.eval_pairs(self.num_eval)
+    return self.prompts(pairs), pairs
+
+  def score(self, pairs, completions) -> float:
+    return self.accuracy(pairs, completions)

@@ -1,0 +1,5 @@
+"""Errors a user can cause: the CLI prints their message (which names the fix) and exits 2."""
+
+
+class UserError(ValueError):
+  pass

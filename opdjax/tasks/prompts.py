@@ -1,0 +1,59 @@
+"""Prompts from a JSONL file, tokenized by the models' Hugging Face tokenizer.
+
+Each line is `{"prompt": "..."}` or `{"messages": [{"role": ..., "content": ...}, ...]}`; with
+`chat_template` the tokenizer's chat template (with the generation prompt) is applied. The last
+`num_eval` lines are held out for evaluation. There is no verifier, so `score` returns None.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from opdjax.errors import UserError
+
+
+class PromptsTask:
+  def __init__(self, path: str, tokenizer_path: str, num_eval: int, chat_template: bool, max_prompt_tokens: int):
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"task.path={path} not found; give a JSONL file with one {{\"prompt\": ...}} per line.")
+    from transformers import AutoTokenizer
+
+    self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    rows = []
+    with open(path) as f:
+      for n, line in enumerate(f, 1):
+        if line.strip():
+          rows.append(self._encode(json.loads(line), chat_template, f"{path}:{n}"))
+    too_long = [i for i, r in enumerate(rows) if len(r) > max_prompt_tokens]
+    if too_long:
+      raise UserError(f"{path}: {len(too_long)} prompts exceed {max_prompt_tokens} tokens (first: line"
+                       f" {too_long[0] + 1}); raise rollout.max_len or shorten them.")
+    if len(rows) <= num_eval:
+      raise UserError(f"{path} has {len(rows)} prompts; need more than task.num_eval={num_eval}.")
+    self._train, self._eval = rows[:-num_eval] if num_eval else rows, rows[len(rows) - num_eval:]
+    self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+    eos = self.tokenizer.eos_token_id
+    self.eos_ids = () if eos is None else (eos,)
+    self.vocab_size = len(self.tokenizer)
+
+  def _encode(self, row: dict, chat: bool, where: str) -> list[int]:
+    if chat:
+      messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+      text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+      return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if "prompt" not in row:
+      raise UserError(f"{where}: no 'prompt' field (set task.chat_template=True for 'messages').")
+    return self.tokenizer(row["prompt"])["input_ids"]
+
+  def train_batch(self, rng: np.random.Generator, n: int):
+    idx = rng.integers(0, len(self._train), n)
+    return [self._train[i] for i in idx], idx
+
+  def eval_set(self):
+    return self._eval, None
+
+  def score(self, refs, completions) -> float | None:
+    return None

@@ -1,0 +1,103 @@
+"""`opdjax train` on Hugging Face folders with a JSONL of chat prompts (task 'prompts')."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from opdjax import cli
+
+PROMPT_WORDS = [f"w{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+VOCAB = 320
+
+
+def _tokenizer(path):
+  """A byte-level BPE like Qwen's, trained here on the words the prompts use."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from transformers import PreTrainedTokenizerFast
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<eos>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator([" ".join(PROMPT_WORDS + ["user", "assistant", ":"])] * 10, trainer)
+  fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+  fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+  fast.save_pretrained(path)
+
+
+def _hf_model(path, hidden, layers, seed):
+  import torch
+  import transformers
+
+  cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                 eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+  torch.manual_seed(seed)
+  model = transformers.Qwen2ForCausalLM(cfg)
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.3 * torch.randn_like(p))
+  model.save_pretrained(path)
+  _tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+  root = tmp_path_factory.mktemp("hf")
+  _hf_model(root / "teacher", 32, 2, 0)
+  _hf_model(root / "student", 16, 1, 1)
+  rng = np.random.default_rng(0)
+  with open(root / "prompts.jsonl", "w") as f:
+    for _ in range(40):
+      words = rng.choice(PROMPT_WORDS, rng.integers(2, 6))
+      f.write(json.dumps({"prompt": " ".join(words)}) + "\n")
+  return root
+
+
+def _args(folders, out, *extra):
+  return ["train", "--config", "configs/demo.py", "--out", str(out), "--config.task.name=prompts",
+          f"--config.task.path={folders / 'prompts.jsonl'}", "--config.task.chat_template=true",
+          "--config.task.num_eval=8", f"--config.teacher.path={folders / 'teacher'}",
+          f"--config.student.path={folders / 'student'}", "--config.rollout.batch_size=8",
+          "--config.rollout.max_new_tokens=8", "--config.loss.kind=sampled_rkl", *extra]
+
+
+def test_opd_on_hf_folders_with_chat_prompts(folders, tmp_path):
+  import torch
+  import transformers
+
+  out = tmp_path / "run"
+  assert cli.main(_args(folders, out, "--config.train.steps=4", "--config.optim.learning_rate=0.01",
+                        "--config.optim.warmup_steps=1")) == 0
+  recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+  assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]
+  assert all(np.isfinite(r["reverse_kl"]) and "accuracy" not in r for r in recs)
+  assert recs[-1]["grad_norm"] > 0
+  # The trained student is an HF folder transformers loads, and it differs from the initial one.
+  a = transformers.AutoModelForCausalLM.from_pretrained(out / "student")
+  b = transformers.AutoModelForCausalLM.from_pretrained(folders / "student")
+  diff = max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+  assert diff > 1e-4
+  assert torch.isfinite(a(torch.tensor([[3, 4, 5]])).logits).all()
+
+
+def test_vocab_mismatch_between_folders_is_one_clear_error(folders, tmp_path, capsys):
+  import transformers
+
+  other = tmp_path / "big-vocab"
+  cfg = transformers.LlamaConfig(vocab_size=500, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)
+  transformers.LlamaForCausalLM(cfg).save_pretrained(other)
+  rc = cli.main(_args(folders, tmp_path / "run", f"--config.student.path={other}", "--config.train.steps=1"))
+  assert rc == 2
+  assert f"vocab_size=500 != teacher vocab_size={VOCAB}" in capsys.readouterr().err
+  assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_prompt_longer_than_engine_is_one_clear_error(folders, tmp_path, capsys):
+  rc = cli.main(_args(folders, tmp_path / "run", "--config.rollout.max_len=10", "--config.train.steps=1"))
+  assert rc == 2
+  assert "raise rollout.max_len" in capsys.readouterr().err
