@@ -23,6 +23,7 @@ zeroes tokens whose weight exceeds C.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,8 @@ class LossConfig:
       raise UserError(f"loss.topk_support={self.topk_support!r}; choose 'teacher' or 'student'.")
     if not 0.0 < self.jsd_beta < 1.0:
       raise UserError(f"loss.jsd_beta must be in (0, 1), got {self.jsd_beta}.")
+    if self.chunk < 1:
+      raise UserError(f"loss.chunk must be >= 1, got {self.chunk}.")
     if self.topk < 1:
       raise UserError(f"loss.topk must be >= 1, got {self.topk}.")
 
@@ -109,3 +112,82 @@ def importance_weights(trainer_lp, rollout_lp, cfg: LossConfig):
   if cfg.is_correction == "tis":
     return jnp.minimum(w, cfg.is_threshold)
   return jnp.where(w <= cfg.is_threshold, w, 0.0)
+
+
+def _logits(h, w_DxV, dtype):
+  return jnp.einsum("...d,dv->...v", h.astype(dtype), w_DxV.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _chunks(x, chunk):
+  """`[B, L, ...]` -> `[n, B, chunk, ...]`, zero-padded (padding carries zero mask)."""
+  n = -(-x.shape[1] // chunk)
+  x = jnp.pad(x, [(0, 0), (0, n * chunk - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+  return jnp.moveaxis(x.reshape(x.shape[0], n, chunk, *x.shape[2:]), 1, 0)
+
+
+def _unchunk(y, length):
+  y = jnp.moveaxis(y, 0, 1)
+  return y.reshape(y.shape[0], -1, *y.shape[3:])[:, :length]
+
+
+def _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfig, dtype):
+  """Loss, its gradients w.r.t. (h_s, w_s), and per-token diagnostics, one chunk at a time.
+
+  The student's logits gradient is formed inside each chunk and immediately contracted into
+  the hidden-state and output-matrix gradients, so neither pass ever holds more than
+  `[B, chunk, V]` logits and nothing (teacher or student projection) is recomputed backwards.
+  """
+  b, length, _ = h_s.shape
+  chunk = max(1, min(cfg.chunk, length))
+  mask = mask.astype(jnp.float32)
+  denom = jnp.maximum(jnp.sum(mask), 1.0)
+
+  def body(g_w, xs):
+    hs, ht, tgt, rlp, m = xs
+    lt = _logits(ht, w_t, dtype)
+    term, vjp_fn, terms = jax.vjp(lambda ls: _term_and_aux(ls, lt, tgt, cfg), _logits(hs, w_s, dtype),
+                                  has_aux=True)
+    w = importance_weights(terms["trainer_logprobs"], rlp, cfg)
+    coef = w * m / denom
+    (g_logits,) = vjp_fn(coef)
+    g_h = jnp.einsum("bcv,dv->bcd", g_logits.astype(dtype), w_s.astype(dtype), preferred_element_type=jnp.float32)
+    g_w = g_w + jnp.einsum("bcd,bcv->dv", hs.astype(dtype), g_logits.astype(dtype),
+                           preferred_element_type=jnp.float32)
+    return g_w, (jnp.sum(coef * term), g_h, {**terms, "is_weight": w})
+
+  xs = tuple(_chunks(x, chunk) for x in (h_s, h_t, targets, rollout_lp, mask))
+  g_w, (losses, g_h, terms) = jax.lax.scan(body, jnp.zeros(w_s.shape, jnp.float32), xs)
+  terms = jax.tree.map(lambda y: _unchunk(y, length), terms)
+  return jnp.sum(losses), terms, (_unchunk(g_h, length).astype(h_s.dtype), g_w.astype(w_s.dtype))
+
+
+def _term_and_aux(logits_s, logits_t, targets, cfg):
+  terms = per_token_terms(logits_s, logits_t, targets, cfg)
+  term = terms.pop("term")
+  return term, jax.lax.stop_gradient(terms)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def fused_opd_loss(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfig, dtype):
+  """Masked mean of `w * term` over tokens from hidden states, and per-token diagnostics.
+
+  `h_s [B, L, D]`, `w_s [D, V]`: student (differentiated). `h_t`, `w_t`: teacher (constant).
+  Returns `(loss, terms)` where `terms` holds `[B, L]` arrays: reverse_kl, entropy,
+  trainer_logprobs, teacher_logprobs, is_weight.
+  """
+  loss, terms, _ = _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype)
+  return loss, terms
+
+
+def _fused_fwd(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype):
+  loss, terms, grads = _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype)
+  return (loss, terms), grads
+
+
+def _fused_bwd(cfg, dtype, grads, cotangents):
+  g_loss = cotangents[0]  # the diagnostics carry no gradient
+  g_h, g_w = grads
+  return (g_loss * g_h, g_loss * g_w, None, None, None, None, None)
+
+
+fused_opd_loss.defvjp(_fused_fwd, _fused_bwd)

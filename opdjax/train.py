@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import optax
 
 from opdjax.errors import UserError
-from opdjax.loss import LossConfig, importance_weights, per_token_terms
+from opdjax.loss import LossConfig, fused_opd_loss
 from opdjax.models.decoder import Model
-from opdjax.scoring import TrainBatch, chunked_over_positions, masked_mean
+from opdjax.scoring import TrainBatch, masked_mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,21 +55,16 @@ def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teach
   """Masked OPD loss and per-batch metrics. Teacher is a constant."""
   h_s, _ = student.hidden(params, batch["tokens"], batch["positions"], batch["attention_mask"])
   h_t, _ = teacher.hidden(teacher_params, batch["tokens"], batch["positions"], batch["attention_mask"])
-  h_t = jax.lax.stop_gradient(h_t)
-
-  def per_chunk(hs, ht, tgt):
-    logits_t = jax.lax.stop_gradient(teacher.logits(teacher_params, ht))
-    return per_token_terms(student.logits(params, hs), logits_t, tgt, loss_cfg)
-
-  terms = chunked_over_positions(per_chunk, loss_cfg.chunk, h_s, h_t, batch["targets"])
   mask = batch["loss_mask"]
-  w = importance_weights(terms["trainer_logprobs"], batch["rollout_logprobs"], loss_cfg)
-  loss = masked_mean(w * terms["term"], mask)
+  loss, terms = fused_opd_loss(
+      h_s, student.output_matrix(params), jax.lax.stop_gradient(h_t),
+      jax.lax.stop_gradient(teacher.output_matrix(teacher_params)), batch["targets"],
+      batch["rollout_logprobs"], mask, loss_cfg, jnp.dtype(student.cfg.dtype))
   metrics = {
       "loss": loss,
       "reverse_kl": masked_mean(terms["reverse_kl"], mask),
       "entropy": masked_mean(terms["entropy"], mask),
-      "is_weight_mean": masked_mean(w, mask),
+      "is_weight_mean": masked_mean(terms["is_weight"], mask),
       "num_tokens": jnp.sum(mask),
   }
   return loss, metrics

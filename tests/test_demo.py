@@ -23,11 +23,11 @@ def cache(tmp_path_factory):
 @pytest.mark.slow
 def test_train_cli_student_improves(cache, tmp_path, capsys):
   out = str(tmp_path / "run")
-  rc = cli.main(["train", "--config", "configs/demo.py", "--out", out, "--config.train.steps=200",
-                 "--config.optim.total_steps=200", "--config.train.eval_every=50"])
+  rc = cli.main(["train", "--config", "configs/demo.py", "--out", out, "--config.train.steps=400",
+                 "--config.optim.total_steps=400", "--config.train.eval_every=100"])
   assert rc == 0
   recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-  assert [r["step"] for r in recs] == list(range(201))
+  assert [r["step"] for r in recs] == list(range(401))
   for r in recs:
     assert {"step", "reverse_kl", "accuracy"} <= set(r)
   first, last = recs[0], recs[-1]
@@ -40,7 +40,7 @@ def test_train_cli_student_improves(cache, tmp_path, capsys):
   rc = cli.main(["train", "--config", "configs/demo.py", "--out", out, "--config.train.steps=1"])
   assert rc == 2
   assert "already exists" in capsys.readouterr().err
-  assert len(open(os.path.join(out, "metrics.jsonl")).readlines()) == 201
+  assert len(open(os.path.join(out, "metrics.jsonl")).readlines()) == 401
 
 
 def test_cli_unknown_key_is_clear(tmp_path, capsys):

@@ -33,10 +33,12 @@ class ModelConfig:
   rope_theta: float = 10000.0
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = False
-  attention_bias: bool = False  # bias on q/k/v projections (Qwen2: always on)
-  o_proj_bias: bool = False  # Llama's `attention_bias` also puts a bias on o_proj
-  mlp_bias: bool = False
-  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+  # The switches below default (None) to what `model_type` implies; a combination the family's
+  # HF checkpoints cannot express is an error.
+  attention_bias: bool | None = None  # bias on q/k/v projections (Qwen2: always on)
+  o_proj_bias: bool | None = None  # Llama's and Qwen3's `attention_bias` also bias o_proj; Qwen2 never
+  mlp_bias: bool = False  # Llama only
+  qk_norm: bool | None = None  # Qwen3: RMSNorm over head_dim on q and k before RoPE
   max_position_embeddings: int = 4096
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
@@ -50,6 +52,18 @@ class ModelConfig:
           f"model_type {self.model_type!r} is not supported; opdjax's decoder"
           f" implements {', '.join(SUPPORTED_MODEL_TYPES)}."
       )
+    attn_bias = self.model_type == "qwen2" if self.attention_bias is None else self.attention_bias
+    want = {"qwen2": (True, False, False), "qwen3": (attn_bias, attn_bias, True),
+            "llama": (attn_bias, attn_bias, False)}[self.model_type]
+    for name, default in zip(("attention_bias", "o_proj_bias", "qk_norm"), want):
+      if getattr(self, name) is None:
+        object.__setattr__(self, name, default)
+    if (self.attention_bias, self.o_proj_bias, self.qk_norm) != want or (self.mlp_bias and self.model_type != "llama"):
+      raise UnsupportedModelError(
+          f"{self.model_type} cannot express attention_bias={self.attention_bias}, o_proj_bias={self.o_proj_bias},"
+          f" qk_norm={self.qk_norm}, mlp_bias={self.mlp_bias}: its checkpoints would not load in transformers."
+          f" For {self.model_type} use attention_bias/o_proj_bias/qk_norm = {want}"
+          + (" (o_proj_bias equals attention_bias)." if self.model_type != "qwen2" else "."))
     if self.num_heads % self.num_kv_heads:
       raise UnsupportedModelError(
           f"num_attention_heads={self.num_heads} is not a multiple of"

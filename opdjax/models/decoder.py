@@ -198,6 +198,12 @@ class Model:
   def logits(self, params, hidden):
     return self.module.apply({"params": params}, hidden, method=Decoder.logits)
 
+  def output_matrix(self, params) -> jax.Array:
+    """The `[D, V]` matrix `logits` multiplies by (the embedding's transpose when tied)."""
+    if self.cfg.tie_word_embeddings:
+      return params["embed_tokens"]["embedding"].T
+    return params["lm_head"]["kernel"]
+
   def apply(self, params, tokens, positions, attention_mask, cache=None):
     """`(logits_fp32 [B, T, V], cache)`."""
     h, cache = self.hidden(params, tokens, positions, attention_mask, cache)

@@ -95,8 +95,7 @@ class JaxEngine(RolloutEngine):
     self.pad_id = pad_id
     self.eos_ids = tuple(model.cfg.eos_ids if eos_ids is None else eos_ids)
     self.kv_dtype = kv_dtype
-    self._params = params
-    self._version = version
+    self.set_params(params, version)
     self._cache = None
     self._compiled: dict[SamplingParams, object] = {}
 
@@ -105,6 +104,10 @@ class JaxEngine(RolloutEngine):
     return self._version
 
   def set_params(self, params, version: int) -> None:
+    """Installs weights, cast once to the model's compute dtype (bf16 decode reads bf16 weights)."""
+    dt = jnp.dtype(self.model.cfg.dtype)
+    if dt != jnp.float32:
+      params = jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     self._params = params
     self._version = version
 

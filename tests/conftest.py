@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random models, in opdjax and in Hugging Face form (nothing downloaded)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def make_hf_model(tmp_path):
+  """`make(model_type, seed, save_kw=None, **hf_config) -> (torch model, saved folder)`.
+
+  Every parameter gets N(0, 0.1) noise on top of HF's init, so RMSNorm weights are
+  not all ones and biases not all zero: a loader that drops or transposes one shows.
+  """
+  import torch
+  import transformers
+
+  def make(model_type, seed=0, save_kw=None, **hf_config):
+    cfg = transformers.AutoConfig.for_model(model_type, **hf_config)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+      for p in model.parameters():  # tied embeddings appear once here
+        p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    path = tmp_path / f"hf-{model_type}-{seed}-{len(list(tmp_path.iterdir()))}"
+    model.save_pretrained(path, **(save_kw or {}))
+    return model, path
+
+  return make
+
+
+@pytest.fixture(scope="session")
+def random_params():
+  """`draw(model, seed, std) -> params` with `Model.init`'s tree, filled in NumPy.
+
+  Kernels and embeddings ~ N(0, std) (large std: peaked, non-uniform next-token
+  distributions), biases ~ N(0, 0.1), RMSNorm weights ~ 1 + N(0, 0.1). Filling in
+  NumPy from `eval_shape` skips compiling `init` for every tiny config.
+  """
+
+  def draw(model, seed, std=0.1):
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, s):
+      name = path[-1].key
+      x = rng.normal(0.0, std if name in ("kernel", "embedding") else 0.1, s.shape)
+      return jnp.asarray(x + (name == "weight"), s.dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, shapes)
+
+  return draw

@@ -1,0 +1,277 @@
+"""OPD objectives against a float64 NumPy reference written from opdjax/loss.py's docstring."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from opdjax.errors import UserError
+from opdjax.loss import IS_MODES, OBJECTIVES, LossConfig, importance_weights, per_token_terms
+from opdjax.models import Model, ModelConfig, positions_from_mask
+from opdjax.scoring import chunked_over_positions, masked_mean
+from opdjax.train import opd_loss
+
+B, T, V = 2, 3, 7
+MASK = np.array([[1, 1, 0], [1, 0, 1]], np.float32)
+IS_THRESHOLD = 2.0
+
+
+# --- float64 reference ------------------------------------------------------
+
+def log_softmax(z):
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def pick(x, y):
+  return np.take_along_axis(x, y[..., None], axis=-1)[..., 0]
+
+
+def ref_constants(zs0, zt, y, rollout_lp, cfg):
+  """What the loss holds fixed (stop-gradient), evaluated at the base student logits."""
+  ls0, lt = log_softmax(zs0), log_softmax(zt)
+  side = lt if cfg.topk_support == "teacher" else ls0
+  top = np.argsort(-side, axis=-1)[..., :cfg.topk]
+  support = np.zeros(zs0.shape, bool)
+  np.put_along_axis(support, top, True, axis=-1)
+  w = np.exp(pick(ls0, y) - rollout_lp)
+  if cfg.is_correction == "tis":
+    w = np.minimum(w, cfg.is_threshold)
+  elif cfg.is_correction == "mis":
+    w = np.where(w <= cfg.is_threshold, w, 0.0)
+  elif cfg.is_correction == "none":
+    w = np.ones_like(w)
+  return {"advantage": pick(lt, y) - pick(ls0, y), "support": support, "w": w}
+
+
+def ref_term(zs, zt, y, cfg, const):
+  ls, lt = log_softmax(zs), log_softmax(zt)
+  ps, pt = np.exp(ls), np.exp(lt)
+  if cfg.kind == "sampled_rkl":
+    return -const["advantage"] * pick(ls, y)
+  if cfg.kind == "full_rkl":
+    return np.sum(ps * (ls - lt), -1)
+  if cfg.kind == "forward_kl":
+    return np.sum(pt * (lt - ls), -1)
+  if cfg.kind == "jsd":
+    b = cfg.jsd_beta
+    logm = np.log(b * pt + (1 - b) * ps)
+    return b * np.sum(pt * (lt - logm), -1) + (1 - b) * np.sum(ps * (ls - logm), -1)
+  assert cfg.kind == "topk_rkl"
+  s = const["support"]
+  inside = np.sum(np.where(s, ps * (ls - lt), 0.0), -1)
+  tail_s, tail_t = np.sum(np.where(s, 0.0, ps), -1), np.sum(np.where(s, 0.0, pt), -1)
+  has_tail = (~s).any(-1)
+  safe_s, safe_t = np.where(has_tail, tail_s, 1.0), np.where(has_tail, tail_t, 1.0)
+  return inside + np.where(has_tail, safe_s * (np.log(safe_s) - np.log(safe_t)), 0.0)
+
+
+def ref_loss(zs, zt, y, mask, cfg, const):
+  term = ref_term(zs, zt, y, cfg, const)
+  return np.sum(mask * const["w"] * term) / max(mask.sum(), 1.0)
+
+
+def central_diff(f, x, eps=1e-6):
+  g = np.zeros_like(x)
+  for i in np.ndindex(x.shape):
+    d = np.zeros_like(x)
+    d[i] = eps
+    g[i] = (f(x + d) - f(x - d)) / (2 * eps)
+  return g
+
+
+# --- the package's loss, reduced as in opdjax.train.opd_loss -----------------
+
+def jax_loss(zs, zt, y, mask, rollout_lp, cfg):
+  terms = per_token_terms(zs, zt, y, cfg)
+  w = importance_weights(terms["trainer_logprobs"], rollout_lp, cfg)
+  return masked_mean(w * terms["term"], mask)
+
+
+def inputs(seed):
+  rng = np.random.default_rng(seed)
+  zs = rng.normal(0, 2, (B, T, V))
+  zt = rng.normal(0, 2, (B, T, V))
+  y = rng.integers(0, V, (B, T))
+  # Rollout log-probs that put the IS weight exp(lp_s - lp_rollout) well below and
+  # well above the threshold 2 (log 2 = 0.69), never near it.
+  log_w = np.array([[-1.0, 1.5, 0.3], [1.2, -0.5, 0.2]])
+  rollout_lp = pick(log_softmax(zs), y) - log_w
+  return zs, zt, y, rollout_lp
+
+
+CONFIGS = [LossConfig(kind=k) for k in OBJECTIVES if k not in ("topk_rkl", "jsd")] + [
+    LossConfig(kind="sampled_rkl", is_correction="tis", is_threshold=IS_THRESHOLD),
+    LossConfig(kind="sampled_rkl", is_correction="mis", is_threshold=IS_THRESHOLD),
+    LossConfig(kind="topk_rkl", topk=3, topk_support="teacher"),
+    LossConfig(kind="topk_rkl", topk=3, topk_support="student"),
+    LossConfig(kind="jsd", jsd_beta=0.3),  # asymmetric beta: a swapped beta shows
+]
+
+
+def _id(c):
+  return c.kind + ("" if c.is_correction == "none" else f"-{c.is_correction}") + (
+      f"-{c.topk_support}" if c.kind == "topk_rkl" else "")
+
+
+def test_every_objective_and_importance_mode_is_checked():
+  assert {c.kind for c in CONFIGS} == set(OBJECTIVES)
+  assert {c.is_correction for c in CONFIGS} == set(IS_MODES)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
+def test_value_and_gradient_match_float64_reference(cfg):
+  zs, zt, y, rollout_lp = inputs(seed=CONFIGS.index(cfg))
+  const = ref_constants(zs, zt, y, rollout_lp, cfg)
+  want = ref_loss(zs, zt, y, MASK, cfg, const)
+  want_grad = central_diff(lambda z: ref_loss(z, zt, y, MASK, cfg, const), zs)
+
+  f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+  got, got_grad = jax.value_and_grad(jax_loss)(f32(zs), f32(zt), jnp.asarray(y), f32(MASK), f32(rollout_lp), cfg)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(float(got), want, rtol=1e-5, atol=1e-7)
+  scale = np.abs(want_grad).max()
+  assert scale > 1e-2  # a gradient of zeros would match anything
+  np.testing.assert_allclose(np.asarray(got_grad), want_grad, rtol=1e-4, atol=1e-4 * scale)
+  assert np.all(np.asarray(got_grad)[MASK == 0] == 0)
+
+
+def test_importance_modes_change_the_loss():
+  zs, zt, y, rollout_lp = inputs(seed=7)
+  losses = {mode: float(jax_loss(zs, zt, y, MASK, rollout_lp, LossConfig(
+      kind="sampled_rkl", is_correction=mode, is_threshold=IS_THRESHOLD))) for mode in ("none", "tis", "mis")}
+  assert len({round(v, 6) for v in losses.values()}) == 3, losses
+
+
+@pytest.mark.parametrize("support", ["teacher", "student"])
+def test_topk_rkl_with_one_tail_token_is_full_rkl(support):
+  zs, zt, y, _ = inputs(seed=11)
+  zs, zt = jnp.asarray(zs, jnp.float32), jnp.asarray(zt, jnp.float32)
+
+  def f(cfg):
+    loss = lambda z: masked_mean(per_token_terms(z, zt, y, cfg)["term"], MASK)
+    return jax.value_and_grad(loss)(zs)
+
+  full, full_grad = f(LossConfig(kind="full_rkl"))
+  for k in (V - 1, V):  # a tail of one token (or none) loses nothing
+    v, g = f(LossConfig(kind="topk_rkl", topk=k, topk_support=support))
+    np.testing.assert_allclose(v, full, rtol=1e-6)
+    np.testing.assert_allclose(g, full_grad, rtol=1e-5, atol=1e-7)
+  # A tail of two or more tokens is a coarse-graining: KL can only shrink, and here it does.
+  for k in (1, V - 2):
+    cfg = LossConfig(kind="topk_rkl", topk=k, topk_support=support)
+    per_pos = per_token_terms(zs, zt, y, cfg)["term"]
+    exact = per_token_terms(zs, zt, y, LossConfig(kind="full_rkl"))["term"]
+    assert np.all(np.asarray(per_pos) <= np.asarray(exact) + 1e-6)
+    assert float(f(cfg)[0]) < float(full) - 1e-4
+
+
+@pytest.mark.parametrize("kind", OBJECTIVES)
+def test_masked_positions_change_nothing(kind):
+  cfg = LossConfig(kind=kind, topk=3, is_correction="mis", is_threshold=IS_THRESHOLD)
+  zs, zt, y, rollout_lp = inputs(seed=3)
+  rng = np.random.default_rng(4)
+  pad = MASK == 0
+  zs2, zt2, y2, lp2 = zs.copy(), zt.copy(), y.copy(), rollout_lp.copy()
+  zs2[pad] = rng.normal(0, 5, zs2[pad].shape)
+  zt2[pad] = rng.normal(0, 5, zt2[pad].shape)
+  y2[pad] = (y2[pad] + 1) % V
+  lp2[pad] = -20.0
+  grad = jax.value_and_grad(jax_loss)
+  a, ga = grad(*[jnp.asarray(x, jnp.float32) for x in (zs, zt)], y, MASK, rollout_lp.astype(np.float32), cfg)
+  b, gb = grad(*[jnp.asarray(x, jnp.float32) for x in (zs2, zt2)], y2, MASK, lp2.astype(np.float32), cfg)
+  assert float(a) == float(b)
+  np.testing.assert_array_equal(ga, gb)
+  # ...while the same change at a real position does change the loss.
+  zs2[0, 0] = zs2[0, 0][::-1]
+  c = jax_loss(jnp.asarray(zs2, jnp.float32), zt2, y2, MASK, lp2.astype(np.float32), cfg)
+  assert abs(float(c) - float(a)) > 1e-4
+
+
+def test_chunked_over_positions_is_chunk_size_independent():
+  rng = np.random.default_rng(5)
+  length, d = 7, 5
+  h = jnp.asarray(rng.normal(size=(B, length, d)), jnp.float32)
+  ht = jnp.asarray(rng.normal(size=(B, length, d)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, V, (B, length)))
+  mask = jnp.asarray(rng.integers(0, 2, (B, length)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(d, V)), jnp.float32)
+  cfg = LossConfig(kind="jsd", jsd_beta=0.3)
+
+  def fn(h_c, ht_c, y_c, w):
+    return per_token_terms(h_c @ w, ht_c @ (2 * w), y_c, cfg)
+
+  def loss(w, h, chunk):
+    if chunk is None:
+      terms = fn(h, ht, y, w)
+    else:
+      terms = chunked_over_positions(lambda *xs: fn(*xs, w), chunk, h, ht, y)
+    return masked_mean(terms["term"], mask) + masked_mean(terms["trainer_logprobs"], mask), terms
+
+  grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+  (ref, ref_terms), ref_grads = grad_fn(w, h, None)
+  assert float(jnp.abs(ref_grads[0]).max()) > 1e-3
+  for chunk in (1, 3, 64):  # 3 does not divide 7; 64 exceeds it
+    (val, terms), grads = grad_fn(w, h, chunk)
+    np.testing.assert_allclose(val, ref, rtol=1e-6)
+    for k in ref_terms:
+      assert terms[k].shape == (B, length)
+      np.testing.assert_allclose(terms[k], ref_terms[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for g, rg in zip(grads, ref_grads, strict=True):
+      np.testing.assert_allclose(g, rg, rtol=1e-5, atol=1e-6)
+
+
+def test_opd_loss_same_for_any_chunk(random_params):
+  # IS weights on a full-distribution term: both the logits and the trainer log-probs go through chunks.
+  cfg = LossConfig(kind="full_rkl", is_correction="tis", is_threshold=1.2)
+  base = ModelConfig(model_type="qwen3", vocab_size=23, hidden_size=16, intermediate_size=24, num_layers=1,
+                     num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)
+  student, teacher = Model(base), Model(base.replace(hidden_size=24, num_heads=4))
+  params, teacher_params = random_params(student, seed=0, std=0.3), random_params(teacher, seed=1, std=0.3)
+  rng = np.random.default_rng(2)
+  length = 6
+  attn = np.ones((B, length), np.int32)
+  attn[1, :2] = 0
+  loss_mask = np.zeros((B, length), np.float32)
+  loss_mask[:, 3:] = 1
+  loss_mask[0, -1] = 0
+  tokens = jnp.asarray(rng.integers(0, base.vocab_size, (B, length)), jnp.int32)
+  targets = jnp.asarray(rng.integers(0, base.vocab_size, (B, length)), jnp.int32)
+  batch = {"tokens": tokens, "positions": positions_from_mask(attn), "attention_mask": jnp.asarray(attn),
+           "targets": targets, "loss_mask": jnp.asarray(loss_mask),
+           "rollout_logprobs": jnp.asarray(rng.uniform(-4, -2, (B, length)) * loss_mask, jnp.float32)}
+
+  def run(chunk):  # gradients across chunk sizes: test_chunked_over_positions_is_chunk_size_independent
+    f = functools.partial(opd_loss, student=student, teacher=teacher,
+                          loss_cfg=dataclasses.replace(cfg, chunk=chunk))
+    return jax.jit(f)(params, teacher_params, batch)
+
+  one, m_one = run(1)
+  full, m_full = run(length)
+  assert float(one) > 1e-3 and float(m_one["num_tokens"]) == loss_mask.sum()
+  assert 0 < float(m_one["is_weight_mean"]) < 1.2  # some weights are truncated
+  np.testing.assert_allclose(one, full, rtol=1e-6)
+  for k in m_one:
+    np.testing.assert_allclose(m_one[k], m_full[k], rtol=1e-5, err_msg=k)
+
+  # Unchunked path, straight from full logits: the same loss.
+  @jax.jit
+  def unchunked(params, teacher_params, batch):
+    args = (batch["tokens"], batch["positions"], batch["attention_mask"])
+    logits_s, _ = student.apply(params, *args)
+    logits_t, _ = teacher.apply(teacher_params, *args)
+    return jax_loss(logits_s, logits_t, batch["targets"], batch["loss_mask"], batch["rollout_logprobs"], cfg)
+
+  np.testing.assert_allclose(unchunked(params, teacher_params, batch), one, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [dict(kind="kl"), dict(is_correction="clip"), dict(topk_support="both"),
+                                 dict(jsd_beta=0.0), dict(jsd_beta=1.0), dict(topk=0)])
+def test_loss_config_rejects_bad_values(bad):
+  field = next(iter(bad))
+  with pytest.raises(UserError, match=f"loss.{field}"):  # a ValueError the CLI reports cleanly
+    LossConfig(**bad)
+  LossConfig(**{field: LossConfig.__dataclass_fields__[field].default})  # the default is accepted

@@ -1,0 +1,268 @@
+"""Decoder parity with transformers' PyTorch models, both load and save directions."""
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from opdjax.models import Model, ModelConfig, UnsupportedModelError, load_hf_params, save_hf_params
+
+MAX_ABS = 1e-4
+MAX_KL = 1e-6
+ROPE_THETA = 500.0  # not the default, so a config parser that ignores it shows
+# Small enough to build in milliseconds; rms_norm_eps and special ids are not HF's defaults.
+TINY_HF = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5,
+               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# hidden 32 over 4 heads is 8: head_dim 12 and 6 exercise head_dim != hidden / heads.
+CASES = {
+    "llama-headdim12-bias-untied": dict(model_type="llama", head_dim=12, bias=True, mlp_bias=True, tie=False),
+    "llama-tied-mqa": dict(model_type="llama", head_dim=8, bias=False, mlp_bias=False, tie=True, kv=1),
+    "qwen2-untied": dict(model_type="qwen2", head_dim=8, tie=False),
+    "qwen2-headdim12-tied": dict(model_type="qwen2", head_dim=12, tie=True),
+    "qwen3-headdim12-untied": dict(model_type="qwen3", head_dim=12, bias=False, tie=False),
+    "qwen3-headdim6-bias-tied-mha": dict(model_type="qwen3", head_dim=6, bias=True, tie=True, kv=4),
+}
+
+
+def hf_config(spec):
+  kw = dict(TINY_HF, head_dim=spec["head_dim"], tie_word_embeddings=spec["tie"], rope_theta=ROPE_THETA,
+            num_key_value_heads=spec.get("kv", 2))
+  if spec["model_type"] in ("llama", "qwen3"):
+    kw["attention_bias"] = spec["bias"]
+  if spec["model_type"] == "llama":
+    kw["mlp_bias"] = spec["mlp_bias"]
+  return kw
+
+
+def expected_config(spec):
+  """The ModelConfig each case should parse to, written out from the HF families' definitions."""
+  mt = spec["model_type"]
+  return ModelConfig(
+      model_type=mt, vocab_size=TINY_HF["vocab_size"], hidden_size=TINY_HF["hidden_size"],
+      intermediate_size=TINY_HF["intermediate_size"], num_layers=TINY_HF["num_hidden_layers"],
+      num_heads=TINY_HF["num_attention_heads"], num_kv_heads=spec.get("kv", 2),
+      head_dim=spec["head_dim"], rope_theta=ROPE_THETA, rms_norm_eps=TINY_HF["rms_norm_eps"],
+      tie_word_embeddings=spec["tie"],
+      attention_bias=True if mt == "qwen2" else spec["bias"],  # Qwen2 always has q/k/v bias
+      o_proj_bias=spec.get("bias", False) if mt != "qwen2" else False,
+      mlp_bias=spec.get("mlp_bias", False), qk_norm=mt == "qwen3",
+      max_position_embeddings=TINY_HF["max_position_embeddings"],
+      bos_token_id=TINY_HF["bos_token_id"], eos_token_id=TINY_HF["eos_token_id"],
+      pad_token_id=TINY_HF["pad_token_id"])
+
+
+def padded_batch(rng, vocab):
+  """Row 0 full, row 1 left-padded by 3; positions restart at 0 on each row's first real token."""
+  tokens = rng.integers(3, vocab, (2, 7)).astype(np.int32)
+  mask = np.ones((2, 7), np.int32)
+  mask[1, :3] = 0
+  tokens[1, :3] = 0
+  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+  return tokens, mask, positions
+
+
+def hf_logits(model, tokens, mask, positions):
+  import torch
+  with torch.no_grad():
+    out = model(input_ids=torch.from_numpy(tokens).long(), attention_mask=torch.from_numpy(mask).long(),
+                position_ids=torch.from_numpy(positions).long())
+  return out.logits.float().numpy()
+
+
+@functools.lru_cache
+def _jit_apply(cfg):
+  return jax.jit(Model(cfg).apply)
+
+
+def jax_logits(cfg, params, tokens, mask, positions):
+  logits, _ = _jit_apply(cfg)(params, tokens, positions, mask)
+  assert logits.dtype == jnp.float32
+  return np.asarray(logits)
+
+
+def log_softmax(z):
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.sum(np.exp(z), -1, keepdims=True))
+
+
+def divergence(a, b, mask):
+  """(max |a - b|, mean KL(softmax a || softmax b)) over real positions, in float64."""
+  real = mask.astype(bool)
+  a, b = a[real].astype(np.float64), b[real].astype(np.float64)
+  la, lb = log_softmax(a), log_softmax(b)
+  kl = np.sum(np.exp(la) * (la - lb), axis=-1)
+  return float(np.max(np.abs(a - b))), float(np.mean(kl))
+
+
+def assert_parity(a, b, mask):
+  diff, kl = divergence(a, b, mask)
+  assert diff <= MAX_ABS, f"max |logit diff| = {diff}"
+  assert kl <= MAX_KL, f"mean KL = {kl}"
+  # Guard against a vacuous pass: logits must be informative (not constant across the vocab).
+  assert np.std(a[mask.astype(bool)], axis=-1).min() > 0.05
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_load_hf_matches_transformers(name, make_hf_model):
+  spec = CASES[name]
+  seed = list(CASES).index(name)
+  hf, path = make_hf_model(spec["model_type"], seed=seed, **hf_config(spec))
+  cfg = ModelConfig.from_pretrained(path)
+  assert cfg == expected_config(spec)
+  params = load_hf_params(str(path))
+  tokens, mask, positions = padded_batch(np.random.default_rng(seed), cfg.vocab_size)
+  ref = hf_logits(hf, tokens, mask, positions)
+  got = jax_logits(cfg, params, tokens, mask, positions)
+  assert_parity(ref, got, mask)
+
+  # The comparison has power: one changed weight puts it far past the threshold.
+  bumped = jax.tree.map(lambda x: x, params)
+  bumped["layers_1"]["self_attn"]["v_proj"]["kernel"] = (
+      params["layers_1"]["self_attn"]["v_proj"]["kernel"].at[3, 5].add(0.2))
+  assert divergence(ref, jax_logits(cfg, bumped, tokens, mask, positions), mask)[0] > 10 * MAX_ABS
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_save_hf_loads_in_transformers(name, tmp_path, random_params):
+  import torch
+  import transformers
+  spec = CASES[name]
+  cfg = expected_config(spec)
+  seed = 10 + list(CASES).index(name)
+  # Model.init's tree with random values: norms away from one, biases away from zero.
+  params = random_params(Model(cfg), seed=seed)
+  path = str(tmp_path / "saved")
+  save_hf_params(params, cfg, path)
+  assert ModelConfig.from_pretrained(path) == cfg
+  hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+      path, output_loading_info=True, attn_implementation="eager")
+  assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+  assert hf.dtype == torch.float32
+  hf.eval()
+  tokens, mask, positions = padded_batch(np.random.default_rng(seed), cfg.vocab_size)
+  got = jax_logits(cfg, params, tokens, mask, positions)
+  assert_parity(got, hf_logits(hf, tokens, mask, positions), mask)
+
+  with torch.no_grad():
+    hf.model.layers[0].mlp.down_proj.weight[4, 7] += 0.2
+  assert divergence(got, hf_logits(hf, tokens, mask, positions), mask)[0] > 10 * MAX_ABS
+
+
+def test_sharded_checkpoint_loads_like_single_file(make_hf_model):
+  spec = CASES["qwen3-headdim12-untied"]
+  _, single = make_hf_model("qwen3", seed=5, **hf_config(spec))
+  _, sharded = make_hf_model("qwen3", seed=5, save_kw=dict(max_shard_size="20KB"), **hf_config(spec))
+  shards = [f for f in os.listdir(sharded) if f.endswith(".safetensors")]
+  assert len(shards) > 2 and os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+  a, b = load_hf_params(str(single)), load_hf_params(str(sharded))
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # Every tensor the config has was read: 3 top-level + 11 per qwen3 layer (4 proj, 2 qk norms, 2 norms, 3 mlp).
+  assert len(jax.tree.leaves(b)) == 3 + 11 * TINY_HF["num_hidden_layers"]
+
+
+def test_unknown_model_type_is_rejected(tmp_path):
+  import transformers
+  transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50).save_pretrained(tmp_path)
+  with pytest.raises(UnsupportedModelError, match="gpt2"):
+    ModelConfig.from_pretrained(tmp_path)
+  with pytest.raises(UnsupportedModelError, match="gpt2"):
+    load_hf_params(str(tmp_path))
+
+
+def test_save_refuses_non_empty_folder_and_leaves_it_untouched(tmp_path, random_params):
+  cfg = expected_config(CASES["qwen2-untied"])
+  params = random_params(Model(cfg), seed=0)
+  target = tmp_path / "out"
+  target.mkdir()
+  (target / "notes.txt").write_text("keep me")
+  before = sorted(os.listdir(tmp_path))
+  with pytest.raises(FileExistsError):
+    save_hf_params(params, cfg, str(target))
+  assert os.listdir(target) == ["notes.txt"] and (target / "notes.txt").read_text() == "keep me"
+  assert sorted(os.listdir(tmp_path)) == before  # no temporary folder left behind
+
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  save_hf_params(params, cfg, str(empty))  # an existing empty folder is fine
+  assert sorted(os.listdir(empty)) == ["config.json", "model.safetensors"]
+  with open(empty / "config.json") as f:
+    assert json.load(f)["model_type"] == "qwen2"
+
+
+def test_kv_cache_decode_matches_full_forward(random_params):
+  """Prefill 3 tokens, then decode the rest one at a time; logits equal one full pass."""
+  cfg = expected_config(CASES["qwen3-headdim6-bias-tied-mha"]).replace(num_kv_heads=2)
+  model = Model(cfg)
+  params = random_params(model, seed=1, std=0.4)
+  rng = np.random.default_rng(3)
+  tokens, mask, positions = padded_batch(rng, cfg.vocab_size)
+  mask[1, :4] = 0  # row 1's first real token arrives during decode, not prefill
+  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+  b, t = tokens.shape
+  full = jax_logits(cfg, params, tokens, mask, positions)
+
+  prefill, slots = 3, t + 2  # spare slots at the end must be ignored
+  kv_mask = np.zeros((b, slots), np.int32)
+  kv_mask[:, :prefill] = mask[:, :prefill]
+  cache = model.init_cache(b, slots)
+  apply = jax.jit(model.apply)
+  logits, cache = apply(params, tokens[:, :prefill], positions[:, :prefill], kv_mask, cache)
+  steps = [np.asarray(logits)]
+  for i in range(prefill, t):
+    kv_mask[:, i] = mask[:, i]
+    logits, cache = apply(params, tokens[:, i:i + 1], positions[:, i:i + 1], kv_mask, cache)
+    steps.append(np.asarray(logits))
+  assert int(cache["index"]) == t
+  cached = np.concatenate(steps, axis=1)
+  real = mask.astype(bool)
+  np.testing.assert_allclose(cached[real], full[real], atol=1e-5, rtol=1e-5)
+
+  # The cache carries the context: decoding the last token against an empty cache differs.
+  empty = {**model.init_cache(b, slots), "index": jnp.asarray(t - 1, jnp.int32)}
+  alone, _ = apply(params, tokens[:, -1:], positions[:, -1:], kv_mask, empty)
+  assert np.max(np.abs(np.asarray(alone)[:, 0] - full[:, -1])) > 1e-2
+
+
+def test_bf16_checkpoint_loads_as_float32(make_hf_model, tmp_path):
+  spec = CASES["qwen2-untied"]
+  hf, _ = make_hf_model("qwen2", seed=7, **hf_config(spec))
+  hf = hf.bfloat16()
+  hf.save_pretrained(tmp_path / "bf16")
+  with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "np") as f:
+    assert f.get_slice("model.norm.weight").get_dtype() == "BF16"  # the file really is bf16
+  params = load_hf_params(str(tmp_path / "bf16"))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+  want = hf.model.layers[0].self_attn.q_proj.weight.float().detach().numpy().T  # HF stores [out, in]
+  np.testing.assert_array_equal(np.asarray(params["layers_0"]["self_attn"]["q_proj"]["kernel"]), want)
+
+
+FAMILY_SWITCH_MISMATCHES = {
+    "qwen3-without-qk-norm": dict(model_type="qwen3"),
+    "qwen2-without-qkv-bias": dict(model_type="qwen2"),
+    "llama-qkv-bias-without-o-bias": dict(model_type="llama", attention_bias=True),
+    "qwen3-qk-norm-off": dict(model_type="qwen3", qk_norm=False),
+    "qwen2-o-bias": dict(model_type="qwen2", o_proj_bias=True),
+    "llama-o-bias-only": dict(model_type="llama", attention_bias=False, o_proj_bias=True),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_SWITCH_MISMATCHES))
+def test_config_a_family_cannot_express_is_never_saved(name, tmp_path, random_params):
+  """Either the config is rejected where it is built or saved, or it survives the round trip."""
+  dims = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
+              num_kv_heads=2, head_dim=8)
+  try:
+    cfg = ModelConfig(**dims, **FAMILY_SWITCH_MISMATCHES[name])
+    save_hf_params(random_params(Model(cfg), seed=0), cfg, str(tmp_path / "out"))
+  except ValueError:
+    return
+  assert ModelConfig.from_pretrained(tmp_path / "out") == cfg
