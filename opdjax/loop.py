@@ -109,24 +109,35 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True) -> 
   bar = tqdm(range(cfg.train.steps), desc="OPD", unit="step", disable=not progress)
   bar.set_postfix(postfix(last_eval))
   t0 = time.time()
+  pending = None  # step t-1's record, read to the host only after step t is dispatched
+
+  def finish(p):
+    rec, metrics, rollout, refs = p
+    train_score = task.score(refs, rollout.completions())
+    if train_score is not None:
+      rec["train_accuracy"] = train_score
+    rec.update({("train_reverse_kl" if k == "reverse_kl" else k): float(v) for k, v in metrics.items()})
+    if "reverse_kl" not in rec:
+      rec.update(last_eval)  # held-out numbers from the latest evaluation
+    rec["elapsed_s"] = round(time.time() - t0, 3)
+    metrics_file.write(json.dumps(rec) + "\n")
+    metrics_file.flush()
+    records.append(rec)
+
   for step in bar:
     prompts, refs = task.train_batch(rng, cfg.rollout.batch_size)
     engine.set_params(state.params, step)  # on-policy: the engine samples with the current params
     rollout = engine.generate(prompts, sampling, seed=cfg.seed * 1_000_003 + step)
     state, m = step_fn(state, teacher_params, batch_from_rollout(rollout))
-    rec = {"step": step + 1, "params_version": rollout.params_version}
-    train_score = task.score(refs, rollout.completions())
-    if train_score is not None:
-      rec["train_accuracy"] = train_score
-    rec.update({("train_reverse_kl" if k == "reverse_kl" else k): float(v) for k, v in m.items()})
+    if pending is not None:
+      finish(pending)
+    pending = ({"step": step + 1, "params_version": rollout.params_version}, m, rollout, refs)
     if (step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps:
       last_eval = evaluate(state.params, step + 1)
+      pending[0].update(last_eval)
       bar.set_postfix(postfix(last_eval))
-    rec.update(last_eval)  # held-out numbers from the latest evaluation
-    rec["elapsed_s"] = round(time.time() - t0, 3)
-    metrics_file.write(json.dumps(rec) + "\n")
-    metrics_file.flush()
-    records.append(rec)
+  if pending is not None:
+    finish(pending)
   metrics_file.close()
   save_hf_params(state.params, student.cfg.replace(dtype="float32"), os.path.join(out_dir, "student"))
   return records
