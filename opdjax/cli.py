@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
   train = sub.add_parser("train", help="OPD run from a config file")
   train.add_argument("--config", required=True, help="configs/*.py exporting get_config()")
   train.add_argument("--out", required=True, help="output folder")
+  mismatch = sub.add_parser("mismatch", help="table of every mismatch metric for each engine view (+ attribution)")
+  mismatch.add_argument("--config", required=True, help="configs/*.py; the views are mismatch.sources")
+  mismatch.add_argument("--out", help="folder for mismatch.json")
   args, extra = parser.parse_known_args(argv)
 
   from opdjax import demo as demo_lib  # heavy imports after argument parsing
@@ -47,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = _split_overrides(extra)
     base = demo_lib.default_config() if args.command == "demo" else load_config_file(args.config)
     cfg = apply_overrides(base, overrides)
+    if args.command == "mismatch":
+      from opdjax import mismatch_run
+      print(mismatch_run.format_tables(mismatch_run.run(cfg, args.out)))
+      return 0
     records = loop.run(cfg, args.out)
   except (UserError, FileExistsError, FileNotFoundError) as e:
     print(f"opdjax: error: {e}", file=sys.stderr)

@@ -41,7 +41,7 @@ def default_config() -> ml_collections.ConfigDict:
       "path": "", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "sft_steps": 100,
       "sft_batch": 64, "sft_lr": 3e-3})
   c.rollout = ml_collections.ConfigDict({
-      "engine": "jax", "batch_size": 64, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0,
+      "engine": "jax", "view": "clean", "batch_size": 64, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0,
       "top_k": 0, "max_len": 32})
   c.loss = ml_collections.ConfigDict({
       "kind": "full_rkl", "topk": 8, "topk_support": "teacher", "jsd_beta": 0.5,
@@ -50,6 +50,13 @@ def default_config() -> ml_collections.ConfigDict:
       "learning_rate": 5e-3, "warmup_steps": 10, "total_steps": 800, "end_lr_fraction": 0.1,
       "weight_decay": 0.0, "b1": 0.9, "b2": 0.95, "max_grad_norm": 1.0})
   c.train = ml_collections.ConfigDict({"steps": 800, "eval_every": 1})
+  # `opdjax mismatch`: engine views (see opdjax.mismatch.EngineView), ';'-separated.
+  c.mismatch = ml_collections.ConfigDict({
+      "sources": ";".join([
+          "clean", "compute_dtype=bfloat16", "weights=bf16", "weights=fp8", "weights=fp8_e5m2", "weights=int8",
+          "kv_quant=fp8_e4m3", "kv_quant=fp8_e5m2", "noise_sigma=0.01", "noise_sigma=0.03", "noise_sigma=0.1",
+          "lag=1", "lag=2", "lag=4", "weights=fp8,kv_quant=fp8_e4m3,lag=2,noise_sigma=0.01"]),
+      "warmup_steps": 8, "num_prompts": 128, "seed": 0})
   return c
 
 

@@ -18,7 +18,9 @@ from tqdm import tqdm
 from opdjax.demo import cached_sft_model
 from opdjax.errors import UserError
 from opdjax.loss import LossConfig
+from opdjax.mismatch import EngineView
 from opdjax.models import Model, ModelConfig, load_hf_params, save_hf_params
+from opdjax.perturb import ParamsHistory
 from opdjax.rollout import JaxEngine, SamplingParams
 from opdjax.scoring import batch_from_rollout
 from opdjax.tasks.addition import AdditionTask
@@ -83,7 +85,20 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True) -> 
 
   state = TrainState.create(student_params, optimizer)
   engine_kw = {"max_len": cfg.rollout.max_len, "pad_id": task.pad_id, "eos_ids": task.eos_ids}
-  engine = JaxEngine(student, state.params, **engine_kw)
+  view = EngineView.parse(cfg.rollout.view)
+  engine = JaxEngine(view.model(student), None, **engine_kw)
+  history = ParamsHistory(view.lag + 1) if view.lag else None
+  view_transform = jax.jit(lambda p, step: view.transform(p, student.cfg.num_layers, step))
+
+  def engine_params(step):
+    """The params the engine samples with at `step`: lagged, noised, quantized per the view."""
+    version, params = step, state.params
+    if history is not None:
+      history.push(step, state.params)
+      version, params = history.lagged(view.lag)
+    if view != EngineView(lag=view.lag):
+      params = view_transform(params, version)
+    return params, version
   eval_engine = JaxEngine(student, state.params, **engine_kw)
   eval_prompts, eval_refs = task.eval_set()
   greedy = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
@@ -126,12 +141,13 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True) -> 
 
   for step in bar:
     prompts, refs = task.train_batch(rng, cfg.rollout.batch_size)
-    engine.set_params(state.params, step)  # on-policy: the engine samples with the current params
+    engine.set_params(*engine_params(step))  # the clean view: on-policy, the current params
     rollout = engine.generate(prompts, sampling, seed=cfg.seed * 1_000_003 + step)
     state, m = step_fn(state, teacher_params, batch_from_rollout(rollout))
     if pending is not None:
       finish(pending)
-    pending = ({"step": step + 1, "params_version": rollout.params_version}, m, rollout, refs)
+    pending = ({"step": step + 1, "params_version": rollout.params_version,
+                "params_lag": step - rollout.params_version}, m, rollout, refs)
     if (step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps:
       last_eval = evaluate(state.params, step + 1)
       pending[0].update(last_eval)

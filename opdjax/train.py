@@ -12,6 +12,7 @@ import optax
 
 from opdjax.errors import UserError
 from opdjax.loss import LossConfig, fused_opd_loss
+from opdjax.mismatch import sampled_metrics
 from opdjax.models.decoder import Model
 from opdjax.scoring import TrainBatch, masked_mean
 
@@ -60,13 +61,20 @@ def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teach
       h_s, student.output_matrix(params), jax.lax.stop_gradient(h_t),
       jax.lax.stop_gradient(teacher.output_matrix(teacher_params)), batch["targets"],
       batch["rollout_logprobs"], mask, loss_cfg, jnp.dtype(student.cfg.dtype))
+  lp_s, lp_t, lp_r = terms["trainer_logprobs"], terms["teacher_logprobs"], batch["rollout_logprobs"]
   metrics = {
       "loss": loss,
       "reverse_kl": masked_mean(terms["reverse_kl"], mask),
       "entropy": masked_mean(terms["entropy"], mask),
       "is_weight_mean": masked_mean(terms["is_weight"], mask),
       "num_tokens": jnp.sum(mask),
+      # The sampled reverse-KL signal OPD follows, from the trainer's and from the engine's
+      # log-probs of the same tokens: their difference is the bias the mismatch puts into it.
+      "opd_signal_trainer": masked_mean(lp_s - lp_t, mask),
+      "opd_signal_rollout": masked_mean(lp_r - lp_t, mask),
   }
+  # Rollout vs trainer on the same tokens, from the forward pass the loss already did.
+  metrics.update({f"mismatch_{k}": v for k, v in sampled_metrics(lp_r, lp_s, mask).items()})
   return loss, metrics
 
 

@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random models, in opdjax and in Hugging Face form (nothing downloaded)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,3 +54,16 @@ def random_params():
     return jax.tree_util.tree_map_with_path(leaf, shapes)
 
   return draw
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory):
+  """One OPDJAX_CACHE for the session: the demo teacher and student are built once."""
+  path = str(tmp_path_factory.mktemp("opdjax-cache"))
+  old = os.environ.get("OPDJAX_CACHE")
+  os.environ["OPDJAX_CACHE"] = path
+  yield path
+  if old is None:
+    del os.environ["OPDJAX_CACHE"]
+  else:
+    os.environ["OPDJAX_CACHE"] = old

@@ -8,20 +8,8 @@ import pytest
 from opdjax import cli
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("opdjax-cache"))
-  old = os.environ.get("OPDJAX_CACHE")
-  os.environ["OPDJAX_CACHE"] = path
-  yield path
-  if old is None:
-    del os.environ["OPDJAX_CACHE"]
-  else:
-    os.environ["OPDJAX_CACHE"] = old
-
-
 @pytest.mark.slow
-def test_train_cli_student_improves(cache, tmp_path, capsys):
+def test_train_cli_student_improves(demo_cache, tmp_path, capsys):
   out = str(tmp_path / "run")
   rc = cli.main(["train", "--config", "configs/demo.py", "--out", out, "--config.train.steps=400",
                  "--config.optim.total_steps=400", "--config.train.eval_every=100"])
@@ -36,7 +24,7 @@ def test_train_cli_student_improves(cache, tmp_path, capsys):
   # The student folder is a real HF checkpoint of the trained params.
   assert os.path.exists(os.path.join(out, "student", "model.safetensors"))
   # Teacher and student were cached as HF folders; a second run does not overwrite the output.
-  assert len(os.listdir(os.path.join(cache, "demo"))) == 2
+  assert len(os.listdir(os.path.join(demo_cache, "demo"))) == 2
   rc = cli.main(["train", "--config", "configs/demo.py", "--out", out, "--config.train.steps=1"])
   assert rc == 2
   assert "already exists" in capsys.readouterr().err

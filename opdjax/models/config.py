@@ -45,6 +45,12 @@ class ModelConfig:
   pad_token_id: int | None = None
   # Compute dtype for matmuls; logits are always returned in fp32.
   dtype: str = "float32"
+  # KV-cache quantization (an engine setting, never saved): keys and values are rounded through
+  # FP8 as they are written; `static` uses scale 1 (vLLM without calibrated scales), `per_head` a
+  # dynamic absmax scale per token and kv head. A full forward with the same setting reproduces
+  # the decoding engine's numerics exactly, which is what re-scoring needs.
+  kv_quant: str = "none"  # none | fp8_e4m3 | fp8_e5m2
+  kv_scale: str = "per_head"  # static | per_head
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -64,6 +70,10 @@ class ModelConfig:
           f" qk_norm={self.qk_norm}, mlp_bias={self.mlp_bias}: its checkpoints would not load in transformers."
           f" For {self.model_type} use attention_bias/o_proj_bias/qk_norm = {want}"
           + (" (o_proj_bias equals attention_bias)." if self.model_type != "qwen2" else "."))
+    if self.kv_quant not in ("none", "fp8_e4m3", "fp8_e5m2") or self.kv_scale not in ("static", "per_head"):
+      raise UnsupportedModelError(
+          f"kv_quant={self.kv_quant!r}, kv_scale={self.kv_scale!r}: choose kv_quant in none/fp8_e4m3/fp8_e5m2"
+          " and kv_scale in static/per_head.")
     if self.num_heads % self.num_kv_heads:
       raise UnsupportedModelError(
           f"num_attention_heads={self.num_heads} is not a multiple of"

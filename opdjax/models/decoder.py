@@ -51,6 +51,19 @@ def rope(x_BxTxNxE: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Ar
   return out.astype(x_BxTxNxE.dtype)
 
 
+def kv_fake_quant(x_BxTxKxE: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Rounds keys/values through FP8 as a quantized KV cache stores them."""
+  fp8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}[cfg.kv_quant]
+  qmax = float(jnp.finfo(fp8).max)
+  x = x_BxTxKxE.astype(jnp.float32)
+  if cfg.kv_scale == "static":
+    scale = jnp.ones((), jnp.float32)
+  else:
+    scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny) / qmax
+  q = jnp.clip(x / scale, -qmax, qmax).astype(fp8).astype(jnp.float32)
+  return (q * scale).astype(x_BxTxKxE.dtype)
+
+
 def _dense(features: int, bias: bool, name: str, dtype) -> nn.Dense:
   return nn.Dense(
       features,
@@ -79,6 +92,8 @@ class Attention(nn.Module):
       kk = RMSNorm(cfg.rms_norm_eps, name="k_norm")(kk)
     q = rope(q, positions_BxT, cfg.rope_theta)
     kk = rope(kk, positions_BxT, cfg.rope_theta)
+    if cfg.kv_quant != "none":
+      kk, v = kv_fake_quant(kk, cfg), kv_fake_quant(v, cfg)
 
     if layer_cache is None:
       keys_BxSxKxE, values_BxSxKxE = kk, v
