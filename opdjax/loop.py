@@ -88,7 +88,8 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True) -> 
   view = EngineView.parse(cfg.rollout.view)
   engine = JaxEngine(view.model(student), None, **engine_kw)
   history = ParamsHistory(view.lag + 1) if view.lag else None
-  view_transform = jax.jit(lambda p, step: view.transform(p, student.cfg.num_layers, step))
+  # The engine holds FP8/INT8 weights packed (real fp8/int8 arrays + scales).
+  view_transform = jax.jit(lambda p, step: view.transform(p, student.cfg.num_layers, step, pack=True))
 
   def engine_params(step):
     """The params the engine samples with at `step`: lagged, noised, quantized per the view."""

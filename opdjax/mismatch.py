@@ -109,10 +109,11 @@ def exact_kl(view: Model, view_params, trainer: Model, trainer_params, batch: Tr
 class EngineView:
   """How the rollout engine differs from the trainer (the default is no difference).
 
-  Applied in this order: params `lag` optimizer steps old -> Gaussian `noise_sigma` (relative to
-  each matrix's RMS) -> weight quantization `weights` -> compute in `compute_dtype`, with the KV
-  cache rounded through `kv_quant`. `weights` is `fp32`, a preset name (`perturb.preset`: fp8,
-  fp8_block, fp8_e5m2, int8, bf16) or an explicit recipe `pattern>format|pattern>format`.
+  Applied in this order: params `lag` optimizer steps old -> Gaussian `noise_sigma` (relative
+  to each matrix's RMS) -> weight quantization `weights` -> compute in `compute_dtype`, with the
+  KV cache rounded through `kv_quant` and projection inputs through `act_quant` (W8A8).
+  `weights` is `fp32`, a preset name (`perturb.preset`: fp8, fp8_block, fp8_e5m2, int8, bf16) or
+  an explicit recipe `pattern>format|pattern>format`.
   """
 
   compute_dtype: str = "float32"
@@ -120,6 +121,7 @@ class EngineView:
   keep_edge_layers: int = 0
   kv_quant: str = "none"
   kv_scale: str = "per_head"
+  act_quant: str = "none"
   noise_sigma: float = 0.0
   noise_seed: int = 0
   lag: int = 0
@@ -162,6 +164,7 @@ class EngineView:
     out = {}
     for name, kw in (("lag", {"lag": self.lag}), ("noise", {"noise_sigma": self.noise_sigma}),
                      ("weights", {"weights": self.weights}), ("kv_cache", {"kv_quant": self.kv_quant}),
+                     ("activations", {"act_quant": self.act_quant}),
                      ("compute", {"compute_dtype": self.compute_dtype})):
       single = dataclasses.replace(base, **kw)
       if single != base:
@@ -169,7 +172,8 @@ class EngineView:
     return out
 
   def model(self, trainer_model: Model) -> Model:
-    cfg = trainer_model.cfg.replace(dtype=self.compute_dtype, kv_quant=self.kv_quant, kv_scale=self.kv_scale)
+    cfg = trainer_model.cfg.replace(dtype=self.compute_dtype, kv_quant=self.kv_quant, kv_scale=self.kv_scale,
+                                    act_quant=self.act_quant)
     return Model(cfg)
 
   def recipe(self, num_layers: int) -> list[tuple[str, str]] | None:
@@ -179,12 +183,13 @@ class EngineView:
       return [tuple(row.split(">", 1)) for row in self.weights.split("|")]
     return perturb.preset(self.weights, num_layers, self.keep_edge_layers)
 
-  def transform(self, params, num_layers: int, noise_step: int = 0):
-    """Noise then quantization of (already lagged) params; jit-able, pure."""
+  def transform(self, params, num_layers: int, noise_step: int = 0, pack: bool = False):
+    """Noise then quantization of (already lagged) params; jit-able, pure. With `pack`, FP8/INT8
+    matrices stay quantized (`perturb.QArray`) for an engine that dequantizes on the fly."""
     if self.noise_sigma > 0:
       key = jax.random.fold_in(jax.random.key(self.noise_seed), noise_step)
       params = perturb.add_weight_noise(params, key, self.noise_sigma)
     recipe = self.recipe(num_layers)
     if recipe is not None:
-      params = perturb.apply_recipe(params, recipe)
+      params = perturb.apply_recipe(params, recipe, pack=pack)
     return params

@@ -19,6 +19,7 @@ import fnmatch
 import re
 from collections.abc import Callable, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -103,39 +104,64 @@ def _qmax(name: str) -> float:
   return 127.0 if name == "int8" else float(jnp.finfo(FP8_DTYPES[name]).max)
 
 
-def _round_to(x_scaled, name):
-  if name == "int8":
-    return jnp.clip(jnp.round(x_scaled), -127, 127)
+def round_to_format(x_scaled: jax.Array, name: str) -> jax.Array:
+  """Rounds already-scaled fp32 values to `fp8_e4m3`, `fp8_e5m2` or `int8` (saturating)."""
   qmax = _qmax(name)
-  return jnp.clip(x_scaled, -qmax, qmax).astype(FP8_DTYPES[name]).astype(jnp.float32)
+  if name == "int8":
+    return jnp.clip(jnp.round(x_scaled), -qmax, qmax).astype(jnp.int8)
+  return jnp.clip(x_scaled, -qmax, qmax).astype(FP8_DTYPES[name])
+
+
+def absmax_scale(x: jax.Array, name: str, axis=None) -> jax.Array:
+  return jnp.maximum(jnp.max(jnp.abs(x), axis=axis, keepdims=True), jnp.finfo(jnp.float32).tiny) / _qmax(name)
+
+
+@flax.struct.dataclass
+class QArray:
+  """A matrix held quantized: `q` (fp8/int8) times `scale`; `shape` is the dequantized shape."""
+
+  q: jax.Array
+  scale: jax.Array
+  shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
+
+  def dequantize(self) -> jax.Array:
+    x = self.q.astype(jnp.float32) * self.scale
+    if x.shape != self.shape:  # block layout [..., R/128, 128, C/128, 128], padded
+      x = x.reshape(*x.shape[:-4], x.shape[-4] * BLOCK, x.shape[-2] * BLOCK)[..., : self.shape[-2], : self.shape[-1]]
+    return x
+
+
+def quantize(x: jax.Array, fmt: QuantFormat) -> QArray:
+  """Scales are absmax / format max: `tensor`, one; `channel`, one per index of the last axis
+  (the output channels of an `[in, out]` kernel); `block`, one per 128x128 tile (DeepSeek-V3
+  style), ragged edges padded."""
+  x = x.astype(jnp.float32)
+  if x.ndim < 2:
+    raise UserError(f"{fmt} applies to matrices; 1-D tensors (norms, biases) stay in fp32/bf16.")
+  if fmt.granularity == "block":
+    rows, cols = x.shape[-2:]
+    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, -rows % BLOCK), (0, -cols % BLOCK)])
+    x_t = xp.reshape(*x.shape[:-2], xp.shape[-2] // BLOCK, BLOCK, xp.shape[-1] // BLOCK, BLOCK)
+    scale = absmax_scale(x_t, fmt.name, axis=(-3, -1))
+  else:
+    x_t = x
+    scale = absmax_scale(x, fmt.name, axis=None if fmt.granularity == "tensor" else -2)
+  return QArray(round_to_format(x_t / scale, fmt.name), scale, tuple(x.shape))
 
 
 def fake_quant(x: jax.Array, fmt: QuantFormat) -> jax.Array:
-  """Quantize and dequantize (fp32 result). Scales are absmax / format max.
-
-  `channel`: one scale per output channel (the last axis of a `[in, out]` kernel; each row of an
-  embedding). `block`: one scale per 128x128 tile (DeepSeek-V3 style), ragged edges included.
-  """
-  x = x.astype(jnp.float32)
+  """Quantize then dequantize: fp32 values exactly representable in the quantized form."""
   if fmt.name == "fp32":
-    return x
+    return x.astype(jnp.float32)
   if fmt.name == "bf16":
     return x.astype(jnp.bfloat16).astype(jnp.float32)
-  if x.ndim < 2:
-    raise UserError(f"{fmt} applies to matrices; 1-D tensors (norms, biases) stay in fp32/bf16.")
-  qmax = _qmax(fmt.name)
-  tiny = jnp.finfo(jnp.float32).tiny
-  if fmt.granularity == "block":
-    rows, cols = x.shape[-2:]
-    pr, pc = -rows % BLOCK, -cols % BLOCK
-    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pr), (0, pc)])
-    tiles = xp.reshape(*x.shape[:-2], (rows + pr) // BLOCK, BLOCK, (cols + pc) // BLOCK, BLOCK)
-    scale = jnp.maximum(jnp.max(jnp.abs(tiles), axis=(-3, -1), keepdims=True), tiny) / qmax
-    deq = (_round_to(tiles / scale, fmt.name) * scale).reshape(xp.shape)
-    return deq[..., :rows, :cols]
-  axis = None if fmt.granularity == "tensor" else -2  # reduce over inputs: one scale per column
-  scale = jnp.maximum(jnp.max(jnp.abs(x), axis=axis, keepdims=True), tiny) / qmax
-  return _round_to(x / scale, fmt.name) * scale
+  return quantize(x, fmt).dequantize()
+
+
+def unpack(params):
+  """Dequantizes every `QArray` leaf (call inside jit: XLA fuses it into the consumers)."""
+  return jax.tree.map(lambda x: x.dequantize() if isinstance(x, QArray) else x, params,
+                      is_leaf=lambda x: isinstance(x, QArray))
 
 
 # Presets: ordered (pattern -> format); first match wins; unmatched tensors stay fp32.
@@ -153,11 +179,12 @@ def preset(name: str, num_layers: int, keep_edge_layers: int = 1) -> list[tuple[
   return recipe + [("*", formats[name])]
 
 
-def apply_recipe(params, recipe: Sequence[tuple[str, str]]):
+def apply_recipe(params, recipe: Sequence[tuple[str, str]], pack: bool = False):
   """Quantizes each matrix by the first (pattern -> format) row whose pattern matches its path.
 
   Norm weights and biases are rounded to bf16 whenever their module falls under any recipe row
-  (inference engines keep them in bf16), never to FP8/INT8.
+  (inference engines keep them in bf16), never to FP8/INT8. With `pack`, FP8/INT8 matrices are
+  returned as `QArray`s (real fp8/int8 storage plus scales) instead of dequantized fp32.
   """
   rows = [(pat, QuantFormat.parse(spec)) for pat, spec in recipe]
   for pat, _ in rows:
@@ -171,6 +198,8 @@ def apply_recipe(params, recipe: Sequence[tuple[str, str]]):
       return x
     if x.ndim < 2:
       return fake_quant(x, QuantFormat("bf16")) if fmt.name != "fp32" else x
+    if pack and fmt.name not in ("fp32", "bf16"):
+      return quantize(x, fmt)
     return fake_quant(x, fmt)
 
   return jax.tree_util.tree_map_with_path(visit, params)

@@ -242,3 +242,30 @@ def test_mismatch_cli_table_and_attribution(demo_cache, tmp_path, capsys):
   assert abs(rows["total"] - rows["lag"] - rows["weights"] - rows["kv_cache"] - rows["interaction"]) < 1e-9
   assert all(rows[k] > 0 for k in ("lag", "weights", "kv_cache"))
   assert "attribution of exact KL" in printed and "kl_k3_tok" in printed
+
+
+def test_packed_fp8_engine_matches_fake_quant_and_stores_fp8():
+  """Real fp8 storage + on-the-fly dequantization gives the fake-quant engine's exact rollout."""
+  model, params = _model()
+  view = EngineView(weights="*>fp8_e4m3:channel")
+  packed = view.transform(params, 2, pack=True)
+  qs = [x for x in jax.tree.leaves(packed, is_leaf=lambda x: isinstance(x, perturb.QArray))
+        if isinstance(x, perturb.QArray)]
+  assert qs and all(x.q.dtype == jnp.float8_e4m3fn for x in qs)
+  fake = view.transform(params, 2)
+  np.testing.assert_array_equal(perturb.unpack(packed)["layers_0"]["mlp"]["up_proj"]["kernel"],
+                                fake["layers_0"]["mlp"]["up_proj"]["kernel"])
+  a = JaxEngine(model, packed, max_len=24, pad_id=0, eos_ids=()).generate(PROMPTS, SP, seed=5)
+  b = JaxEngine(model, fake, max_len=24, pad_id=0, eos_ids=()).generate(PROMPTS, SP, seed=5)
+  np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+  np.testing.assert_allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5)
+
+
+def test_w8a8_view_is_reproduced_by_rescoring_and_adds_mismatch():
+  model, params = _model()
+  w8a8 = EngineView.parse("weights=int8,act_quant=int8")
+  vm, vp, batch = _view_rollout(w8a8, model, params)
+  assert float(jnp.max(jnp.abs(token_logprobs(vm, vp, batch) - batch["rollout_logprobs"]))) < 1e-4
+  kl = [float(masked_mean(exact_kl(v.model(model), v.transform(params, 2), model, params, batch), batch["loss_mask"]))
+        for v in (EngineView.parse("weights=int8"), w8a8)]
+  assert 0 < kl[0] < kl[1]

@@ -51,6 +51,8 @@ class ModelConfig:
   # the decoding engine's numerics exactly, which is what re-scoring needs.
   kv_quant: str = "none"  # none | fp8_e4m3 | fp8_e5m2
   kv_scale: str = "per_head"  # static | per_head
+  # Activation quantization at every projection's input (W8A8 engines), per-token absmax scale.
+  act_quant: str = "none"  # none | fp8_e4m3 | int8
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -74,6 +76,8 @@ class ModelConfig:
       raise UnsupportedModelError(
           f"kv_quant={self.kv_quant!r}, kv_scale={self.kv_scale!r}: choose kv_quant in none/fp8_e4m3/fp8_e5m2"
           " and kv_scale in static/per_head.")
+    if self.act_quant not in ("none", "fp8_e4m3", "int8"):
+      raise UnsupportedModelError(f"act_quant={self.act_quant!r}: choose none, fp8_e4m3 or int8.")
     if self.num_heads % self.num_kv_heads:
       raise UnsupportedModelError(
           f"num_attention_heads={self.num_heads} is not a multiple of"

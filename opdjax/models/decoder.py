@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from opdjax import perturb
 from opdjax.models.config import ModelConfig
 
 Params = Any
@@ -53,26 +54,38 @@ def rope(x_BxTxNxE: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Ar
 
 def kv_fake_quant(x_BxTxKxE: jax.Array, cfg: ModelConfig) -> jax.Array:
   """Rounds keys/values through FP8 as a quantized KV cache stores them."""
-  fp8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}[cfg.kv_quant]
-  qmax = float(jnp.finfo(fp8).max)
   x = x_BxTxKxE.astype(jnp.float32)
   if cfg.kv_scale == "static":
     scale = jnp.ones((), jnp.float32)
   else:
-    scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny) / qmax
-  q = jnp.clip(x / scale, -qmax, qmax).astype(fp8).astype(jnp.float32)
+    scale = perturb.absmax_scale(x, cfg.kv_quant, axis=-1)
+  q = perturb.round_to_format(x / scale, cfg.kv_quant).astype(jnp.float32)
   return (q * scale).astype(x_BxTxKxE.dtype)
 
 
-def _dense(features: int, bias: bool, name: str, dtype) -> nn.Dense:
-  return nn.Dense(
-      features,
-      use_bias=bias,
-      name=name,
-      dtype=dtype,
-      param_dtype=jnp.float32,
-      kernel_init=nn.initializers.normal(0.02),
-  )
+class Linear(nn.Module):
+  """`y = x @ kernel (+ bias)`; with `act_quant`, x is first rounded per token (W8A8 engines)."""
+
+  features: int
+  use_bias: bool
+  dtype: Any
+  act_quant: str = "none"
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), jnp.float32)
+    if self.act_quant != "none":
+      x32 = x.astype(jnp.float32)
+      scale = perturb.absmax_scale(x32, self.act_quant, axis=-1)
+      x = (perturb.round_to_format(x32 / scale, self.act_quant).astype(jnp.float32) * scale).astype(x.dtype)
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+    if self.use_bias:
+      y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(self.dtype)
+    return y
+
+
+def _dense(features: int, bias: bool, name: str, cfg: ModelConfig, act_quant: bool = True) -> Linear:
+  return Linear(features, bias, jnp.dtype(cfg.dtype), cfg.act_quant if act_quant else "none", name=name)
 
 
 class Attention(nn.Module):
@@ -84,9 +97,9 @@ class Attention(nn.Module):
     dt = jnp.dtype(cfg.dtype)
     b, t, _ = x_BxTxD.shape
     h, k, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = _dense(h * e, cfg.attention_bias, "q_proj", dt)(x_BxTxD).reshape(b, t, h, e)
-    kk = _dense(k * e, cfg.attention_bias, "k_proj", dt)(x_BxTxD).reshape(b, t, k, e)
-    v = _dense(k * e, cfg.attention_bias, "v_proj", dt)(x_BxTxD).reshape(b, t, k, e)
+    q = _dense(h * e, cfg.attention_bias, "q_proj", cfg)(x_BxTxD).reshape(b, t, h, e)
+    kk = _dense(k * e, cfg.attention_bias, "k_proj", cfg)(x_BxTxD).reshape(b, t, k, e)
+    v = _dense(k * e, cfg.attention_bias, "v_proj", cfg)(x_BxTxD).reshape(b, t, k, e)
     if cfg.qk_norm:
       q = RMSNorm(cfg.rms_norm_eps, name="q_norm")(q)
       kk = RMSNorm(cfg.rms_norm_eps, name="k_norm")(kk)
@@ -121,7 +134,7 @@ class Attention(nn.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bske->btkge", probs, values_BxSxKxE.astype(dt))
     out = out.reshape(b, t, h * e)
-    return _dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", dt)(out), new_cache
+    return _dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", cfg)(out), new_cache
 
 
 class MLP(nn.Module):
@@ -129,10 +142,10 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-    gate = _dense(cfg.intermediate_size, cfg.mlp_bias, "gate_proj", dt)(x)
-    up = _dense(cfg.intermediate_size, cfg.mlp_bias, "up_proj", dt)(x)
-    return _dense(cfg.hidden_size, cfg.mlp_bias, "down_proj", dt)(nn.silu(gate) * up)
+    cfg = self.cfg
+    gate = _dense(cfg.intermediate_size, cfg.mlp_bias, "gate_proj", cfg)(x)
+    up = _dense(cfg.intermediate_size, cfg.mlp_bias, "up_proj", cfg)(x)
+    return _dense(cfg.hidden_size, cfg.mlp_bias, "down_proj", cfg)(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -163,7 +176,7 @@ class Decoder(nn.Module):
     self.layers = [layer_cls(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
     self.norm = RMSNorm(cfg.rms_norm_eps, name="norm")
     if not cfg.tie_word_embeddings:
-      self.lm_head = _dense(cfg.vocab_size, False, "lm_head", jnp.dtype(cfg.dtype))
+      self.lm_head = _dense(cfg.vocab_size, False, "lm_head", cfg, act_quant=False)
 
   def __call__(self, tokens_BxT, positions_BxT, attention_mask, cache: Cache | None = None):
     x = self.embed_tokens(tokens_BxT).astype(jnp.dtype(self.cfg.dtype))

@@ -17,6 +17,7 @@ import numpy as np
 
 from opdjax.errors import UserError
 from opdjax.models.decoder import Model, positions_from_mask
+from opdjax.perturb import QArray, unpack
 from opdjax.rollout.base import Rollout, RolloutEngine, SamplingParams
 from opdjax.rollout.sampling import sample
 
@@ -45,8 +46,9 @@ def _generate(params, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
   positions = positions_from_mask(prompt_mask_BxP)
   kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((b, n), bool)], axis=1)
   cache = {**cache, "index": jnp.zeros((), jnp.int32)}
-  h, cache = model.hidden(params, prompt_BxP, positions, kv_mask_BxS, cache)
-  logits = model.logits(params, h[:, -1])
+  # Quantized (`QArray`) weights are dequantized where they are used, inside the jitted loop.
+  h, cache = model.hidden(unpack(params), prompt_BxP, positions, kv_mask_BxS, cache)
+  logits = model.logits(unpack(params), h[:, -1])
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
   def cond(s):
@@ -65,9 +67,9 @@ def _generate(params, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
     }
     done = s["done"] | jnp.isin(tok, eos)
     kv_mask = s["kv_mask"].at[:, p + step].set(True)
-    h, cache = model.hidden(params, tok[:, None], s["pos"][:, None], kv_mask, s["cache"])
+    h, cache = model.hidden(unpack(params), tok[:, None], s["pos"][:, None], kv_mask, s["cache"])
     return {**out, "step": step + 1, "done": done, "kv_mask": kv_mask, "cache": cache,
-            "pos": s["pos"] + 1, "rng": rng, "logits": model.logits(params, h[:, 0])}
+            "pos": s["pos"] + 1, "rng": rng, "logits": model.logits(unpack(params), h[:, 0])}
 
   state = {
       "step": jnp.zeros((), jnp.int32),
@@ -107,7 +109,9 @@ class JaxEngine(RolloutEngine):
     """Installs weights, cast once to the model's compute dtype (bf16 decode reads bf16 weights)."""
     dt = jnp.dtype(self.model.cfg.dtype)
     if dt != jnp.float32:
-      params = jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+      params = jax.tree.map(
+          lambda x: x.astype(dt) if not isinstance(x, QArray) and jnp.issubdtype(x.dtype, jnp.floating) else x,
+          params, is_leaf=lambda x: isinstance(x, QArray))
     self._params = params
     self._version = version
 
