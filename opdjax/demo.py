@@ -34,8 +34,9 @@ def default_config() -> ml_collections.ConfigDict:
                                       "chat_template": False})
   # Compute dtype of both models' matmuls (params stay fp32; logits and KL are always fp32).
   c.model = ml_collections.ConfigDict({"dtype": "float32", "remat": False})
+  # teacher.view: score with a perturbed teacher (e.g. "weights=fp8"); see mismatch.EngineView.
   c.teacher = ml_collections.ConfigDict({
-      "path": "", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "sft_steps": 1200,
+      "path": "", "view": "clean", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "sft_steps": 1200,
       "sft_batch": 64, "sft_lr": 3e-3})
   c.student = ml_collections.ConfigDict({
       "path": "", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "sft_steps": 100,

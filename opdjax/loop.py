@@ -18,11 +18,11 @@ from tqdm import tqdm
 from opdjax.demo import cached_sft_model
 from opdjax.errors import UserError
 from opdjax.loss import LossConfig
-from opdjax.mismatch import EngineView
+from opdjax.mismatch import EngineView, exact_kl
 from opdjax.models import Model, ModelConfig, load_hf_params, save_hf_params
 from opdjax.perturb import ParamsHistory
 from opdjax.rollout import JaxEngine, SamplingParams
-from opdjax.scoring import batch_from_rollout
+from opdjax.scoring import batch_from_rollout, masked_mean
 from opdjax.tasks.addition import AdditionTask
 from opdjax.tasks.prompts import PromptsTask
 from opdjax.train import OptimConfig, TrainState, make_optimizer, make_train_step, opd_loss
@@ -73,6 +73,15 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True) -> 
   task = make_task(cfg)
   teacher, teacher_params = load_model("teacher", cfg, task)
   student, student_params = load_model("student", cfg, task)
+  teacher_view = EngineView.parse(cfg.teacher.view)
+  if teacher_view.lag:
+    raise UserError("teacher.view cannot have a lag: the teacher never changes.")
+  clean_teacher, clean_teacher_params = teacher, teacher_params
+  if teacher_view != EngineView():
+    teacher = teacher_view.model(teacher)
+    teacher_params = jax.jit(lambda p: teacher_view.transform(p, teacher.cfg.num_layers))(teacher_params)
+    teacher_kl = jax.jit(lambda qp, cp, b: masked_mean(
+        exact_kl(teacher, qp, clean_teacher, cp, b), b["loss_mask"]))
   optimizer = make_optimizer(optim_cfg)
   step_fn = make_train_step(student, teacher, loss_cfg, optimizer)  # checks the vocabularies match
   eval_fn = jax.jit(functools.partial(opd_loss, student=student, teacher=teacher,
@@ -111,6 +120,8 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True) -> 
     r = eval_engine.generate(eval_prompts, sampling, seed=cfg.seed + 7)
     _, m = eval_fn(params, teacher_params, batch_from_rollout(r))
     out = {"reverse_kl": float(m["reverse_kl"])}
+    if teacher is not clean_teacher:  # the scoring teacher's own mismatch, on the same scale
+      out["teacher_mismatch_exact_kl"] = float(teacher_kl(teacher_params, clean_teacher_params, batch_from_rollout(r)))
     acc = task.score(eval_refs, eval_engine.generate(eval_prompts, greedy, seed=0).completions())
     if acc is not None:
       out["accuracy"] = acc

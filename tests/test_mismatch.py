@@ -269,3 +269,19 @@ def test_w8a8_view_is_reproduced_by_rescoring_and_adds_mismatch():
   kl = [float(masked_mean(exact_kl(v.model(model), v.transform(params, 2), model, params, batch), batch["loss_mask"]))
         for v in (EngineView.parse("weights=int8"), w8a8)]
   assert 0 < kl[0] < kl[1]
+
+
+@pytest.mark.slow
+def test_quantized_teacher_reports_its_own_mismatch(demo_cache, tmp_path, capsys):
+  import json
+
+  from opdjax import cli
+
+  out = tmp_path / "tq"
+  assert cli.main(["train", "--config", "configs/demo.py", "--out", str(out), "--config.train.steps=2",
+                   "--config.teacher.view=weights=fp8_e5m2,kv_quant=fp8_e5m2"]) == 0
+  recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+  assert all(r["teacher_mismatch_exact_kl"] > 1e-4 for r in recs)
+  assert cli.main(["train", "--config", "configs/demo.py", "--out", str(tmp_path / "bad"),
+                   "--config.teacher.view=lag=1"]) == 2
+  assert "teacher never changes" in capsys.readouterr().err
