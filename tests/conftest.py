@@ -67,3 +67,20 @@ def demo_cache(tmp_path_factory):
     del os.environ["OPDJAX_CACHE"]
   else:
     os.environ["OPDJAX_CACHE"] = old
+
+
+def _has_gpu() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+  """Tests marked `gpu` are skipped, with the reason shown, when JAX sees no GPU."""
+  if _has_gpu():
+    return
+  skip = pytest.mark.skip(reason="needs a GPU (JAX sees none)")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
