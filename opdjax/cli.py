@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
   train = sub.add_parser("train", help="OPD run from a config file")
   train.add_argument("--config", required=True, help="configs/*.py exporting get_config()")
   train.add_argument("--out", required=True, help="output folder")
+  for p in (demo, train):
+    p.add_argument("--resume", action="store_true",
+                   help="require a checkpoint in --out to resume from (an --out with one resumes anyway)")
+    p.add_argument("--resume-fallback", action="store_true",
+                   help="if the latest checkpoint cannot be restored, resume from the previous good one")
   mismatch = sub.add_parser("mismatch", help="table of every mismatch metric for each engine view (+ attribution)")
   mismatch.add_argument("--config", required=True, help="configs/*.py; the views are mismatch.sources")
   mismatch.add_argument("--out", help="folder for mismatch.json")
@@ -70,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
       from opdjax import mismatch_run
       print(mismatch_run.format_tables(mismatch_run.run(cfg, args.out)))
       return 0
-    records = loop.run(cfg, args.out)
+    records = loop.run(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback)
   except (UserError, FileExistsError, FileNotFoundError) as e:
     print(f"opdjax: error: {e}", file=sys.stderr)
     return 2

@@ -50,7 +50,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.optim = ml_collections.ConfigDict({
       "learning_rate": 5e-3, "warmup_steps": 10, "total_steps": 800, "end_lr_fraction": 0.1,
       "weight_decay": 0.0, "b1": 0.9, "b2": 0.95, "max_grad_norm": 1.0})
-  c.train = ml_collections.ConfigDict({"steps": 800, "eval_every": 1})
+  # Checkpoints (Orbax) go to OUT/checkpoints every `checkpoint_every` steps and at the end; the
+  # same --out resumes from the latest. on_nonfinite: halt (keep the last good checkpoint) or skip.
+  c.train = ml_collections.ConfigDict({"steps": 800, "eval_every": 1, "checkpoint_every": 200,
+                                       "keep_checkpoints": 3, "best_metric": "reverse_kl",
+                                       "on_nonfinite": "halt"})
   # `opdjax mismatch`: engine views (see opdjax.mismatch.EngineView), ';'-separated.
   c.mismatch = ml_collections.ConfigDict({
       "sources": ";".join([

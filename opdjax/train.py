@@ -79,7 +79,8 @@ def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teach
 
 
 def train_step(state: TrainState, teacher_params, batch: TrainBatch, *, student: Model,
-               teacher: Model, loss_cfg: LossConfig, optimizer: optax.GradientTransformation):
+               teacher: Model, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
+               skip_nonfinite: bool = False):
   """`(state, batch) -> (state, metrics)`; pure, jit with `make_train_step`."""
   grad_fn = jax.value_and_grad(
       functools.partial(opd_loss, student=student, teacher=teacher, loss_cfg=loss_cfg), has_aux=True)
@@ -87,7 +88,13 @@ def train_step(state: TrainState, teacher_params, batch: TrainBatch, *, student:
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics["grad_norm"] = optax.tree.norm(grads)
-  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+  if skip_nonfinite:  # keep the old params and optimizer state; the step counter still advances
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    new = new.replace(params=jax.tree.map(lambda a, b: jnp.where(ok, a, b), params, state.params),
+                      opt_state=jax.tree.map(lambda a, b: jnp.where(ok, a, b), opt_state, state.opt_state))
+    metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
+  return new, metrics
 
 
 def check_compatible(student: Model, teacher: Model) -> None:
@@ -98,9 +105,9 @@ def check_compatible(student: Model, teacher: Model) -> None:
 
 
 def make_train_step(student: Model, teacher: Model, loss_cfg: LossConfig,
-                    optimizer: optax.GradientTransformation):
+                    optimizer: optax.GradientTransformation, skip_nonfinite: bool = False):
   """The step jitted once, with the train state donated."""
   check_compatible(student, teacher)
   fn = functools.partial(train_step, student=student, teacher=teacher, loss_cfg=loss_cfg,
-                         optimizer=optimizer)
+                         optimizer=optimizer, skip_nonfinite=skip_nonfinite)
   return jax.jit(fn, donate_argnums=0)

@@ -25,10 +25,17 @@ def test_train_cli_student_improves(demo_cache, tmp_path, capsys):
   assert os.path.exists(os.path.join(out, "student", "model.safetensors"))
   # Teacher and student were cached as HF folders; a second run does not overwrite the output.
   assert len(os.listdir(os.path.join(demo_cache, "demo"))) == 2
-  rc = cli.main(["train", "--config", "configs/demo.py", "--out", out, "--config.train.steps=1"])
-  assert rc == 2
-  assert "already exists" in capsys.readouterr().err
-  assert len(open(os.path.join(out, "metrics.jsonl")).readlines()) == 401
+  # Running the finished job again resumes from its last checkpoint: nothing to do, nothing rewritten.
+  before = open(os.path.join(out, "metrics.jsonl")).read()
+  assert cli.main(["train", "--config", "configs/demo.py", "--out", out, "--config.train.steps=400"]) == 0
+  assert open(os.path.join(out, "metrics.jsonl")).read() == before
+  # A folder with metrics but no checkpoint is refused.
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "metrics.jsonl").write_text("{}\n")
+  assert cli.main(["train", "--config", "configs/demo.py", "--out", str(other)]) == 2
+  assert "no checkpoint to resume from" in capsys.readouterr().err
+  assert (other / "metrics.jsonl").read_text() == "{}\n"
 
 
 def test_cli_unknown_key_is_clear(tmp_path, capsys):

@@ -1,0 +1,87 @@
+"""Orbax checkpoints of a whole OPD run, and resuming from them exactly.
+
+A checkpoint at step s holds everything the run needs to continue as if never stopped: the
+`TrainState` (student params, optimizer state, step), the buffer of past params versions that
+lagged rollouts sample from, and JSON metadata (the config, the student's HF config, the engine
+settings, the latest held-out evaluation, package versions). Everything random in the loop is
+derived from (seed, step), so no RNG state needs saving.
+
+Saves are asynchronous (Orbax `CheckpointManager`); the last `keep` are kept, plus the best by
+`best_metric` in a second manager. Orbax writes each step to a temporary folder and renames it
+only when complete, so a crash during a save leaves no checkpoint that restores; `latest_step`
+reports the newest complete one.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from opdjax.errors import UserError
+
+
+def package_versions() -> dict[str, str]:
+  out = {}
+  for name in ("opdjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers"):
+    try:
+      out[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return out
+
+
+class RunCheckpointer:
+  def __init__(self, directory: str, keep: int = 3, best_metric: str = "", best_mode: str = "min"):
+    self.directory = os.path.abspath(directory)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
+    self._latest = ocp.CheckpointManager(os.path.join(self.directory, "latest"), options=opts)
+    self._best = None
+    if best_metric:
+      best_opts = ocp.CheckpointManagerOptions(
+          max_to_keep=1, best_fn=lambda m: m[best_metric], best_mode=best_mode,
+          keep_checkpoints_without_metrics=False, enable_async_checkpointing=True, create=True)
+      self._best = ocp.CheckpointManager(os.path.join(self.directory, "best"), options=best_opts)
+    self.best_metric = best_metric
+
+  def latest_step(self) -> int | None:
+    return self._latest.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._latest.all_steps())
+
+  def save(self, step: int, state_tree, meta: dict, metrics: dict | None = None) -> None:
+    # Copy first: the next train step donates the live buffers while the save may still run.
+    state_tree = jax.tree.map(jnp.copy, state_tree)
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state_tree), meta=ocp.args.JsonSave(meta))
+    self._latest.save(step, args=args)
+    if self._best is not None and metrics and self.best_metric in metrics:
+      self._best.save(step, args=args, metrics={self.best_metric: float(metrics[self.best_metric])})
+
+  def read_meta(self, step: int) -> dict:
+    return self._latest.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def restore(self, step: int, target) -> tuple[object, dict]:
+    """Restores `step` into the structure, shapes and shardings of `target`."""
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    path = os.path.join(self.directory, "latest", str(step))
+    try:
+      out = self._latest.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001 -- any failure to read is reported with the step and path
+      raise UserError(f"checkpoint step {step} at {path} cannot be restored ({type(e).__name__}: {e});"
+                      " it is truncated, corrupted, or from a different model.") from e
+    return out["state"], out["meta"]
+
+  def wait(self) -> None:
+    self._latest.wait_until_finished()
+    if self._best is not None:
+      self._best.wait_until_finished()
+
+  def close(self) -> None:
+    self._latest.close()
+    if self._best is not None:
+      self._best.close()
