@@ -85,3 +85,46 @@ class RunCheckpointer:
     self._latest.close()
     if self._best is not None:
       self._best.close()
+
+
+def restore_student(run_dir: str, step: int | None = None):
+  """(model, params, meta) of the student in a run's checkpoint (the latest when `step` is None)."""
+  from opdjax.models import Model, ModelConfig
+  from opdjax.train import OptimConfig, TrainState, make_optimizer
+
+  ckpt_dir = run_dir if os.path.isdir(os.path.join(run_dir, "latest")) else os.path.join(run_dir, "checkpoints")
+  if not os.path.isdir(os.path.join(ckpt_dir, "latest")):
+    raise UserError(f"{run_dir} holds no opdjax checkpoints (expected {ckpt_dir}/latest/<step>).")
+  ckpt = RunCheckpointer(ckpt_dir)
+  step = ckpt.latest_step() if step is None else step
+  if step is None or step not in ckpt.all_steps():
+    raise UserError(f"no complete checkpoint {'' if step is None else f'step {step} '}in {ckpt_dir};"
+                    f" complete steps: {ckpt.all_steps()}.")
+  meta = ckpt.read_meta(step)
+  model = Model(ModelConfig.from_hf_dict(meta["student_config"]))
+  optimizer = make_optimizer(OptimConfig(**meta["config"]["optim"]))
+  state = jax.eval_shape(lambda: TrainState.create(model.init(jax.random.key(0)), optimizer))
+  target = {"train": state, "history": [state.params] * len(meta["history_versions"])}
+  target = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), target)
+  tree, meta = ckpt.restore(step, target)
+  ckpt.close()
+  return model, tree["train"].params, meta
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def export(run_dir: str, out_dir: str, step: int | None = None) -> str:
+  """Writes the checkpoint's student as an HF safetensors folder (+ tokenizer files where known)."""
+  from opdjax.models import save_hf_params
+
+  model, params, meta = restore_student(run_dir, step)
+  extra = {}
+  src = meta["config"].get("student", {}).get("path") or meta["config"].get("teacher", {}).get("path")
+  for name in TOKENIZER_FILES:
+    if src and os.path.exists(os.path.join(src, name)):
+      with open(os.path.join(src, name)) as f:
+        extra[name] = f.read()
+  save_hf_params(params, model.cfg, out_dir, extra_files=extra)
+  return out_dir

