@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
   except (UserError, FileExistsError, FileNotFoundError) as e:
     print(f"opdjax: error: {e}", file=sys.stderr)
     return 2
+  except OSError as e:  # e.g. a full disk: earlier checkpoints are complete and untouched
+    print(f"opdjax: error: {e}; the run stopped. Free space and run the same command to resume from the latest"
+          " complete checkpoint.", file=sys.stderr)
+    return 1
   print(_summary(records))
   print(f"wrote {args.out}/metrics.jsonl and {args.out}/student/")
   return 0

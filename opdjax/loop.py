@@ -212,32 +212,34 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True, res
             "teacher_view": str(teacher_view), "params_version": step, "versions": package_versions()}
 
   every = cfg.train.checkpoint_every
-  for step in bar:
-    prompts, refs = task.train_batch(np.random.default_rng([cfg.seed, step]), cfg.rollout.batch_size)
-    engine.set_params(*engine_params(step))  # the clean view: on-policy, the current params
-    rollout = engine.generate(prompts, sampling, seed=cfg.seed * 1_000_003 + step)
-    _fault("rollout", step + 1)
-    state, m = step_fn(state, teacher_params, batch_from_rollout(rollout))
-    _fault("step", step + 1)
+  try:
+    for step in bar:
+      prompts, refs = task.train_batch(np.random.default_rng([cfg.seed, step]), cfg.rollout.batch_size)
+      engine.set_params(*engine_params(step))  # the clean view: on-policy, the current params
+      rollout = engine.generate(prompts, sampling, seed=cfg.seed * 1_000_003 + step)
+      _fault("rollout", step + 1)
+      state, m = step_fn(state, teacher_params, batch_from_rollout(rollout))
+      _fault("step", step + 1)
+      if pending is not None:
+        finish(pending)
+      pending = ({"step": step + 1, "params_version": rollout.params_version,
+                  "params_lag": step - rollout.params_version}, m, rollout, refs)
+      if (step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps:
+        last_eval = evaluate(state.params, step + 1)
+        pending[0].update(last_eval)
+        bar.set_postfix(postfix(last_eval))
+      if (every and (step + 1) % every == 0) or step + 1 == cfg.train.steps:
+        finish(pending)  # the record is on disk before the checkpoint that covers it
+        pending = None
+        tree = {"train": state, "history": history.params() if history else []}
+        ckpt.save(step + 1, tree, meta(step + 1), metrics=last_eval)
+        _fault("save", step + 1)
     if pending is not None:
       finish(pending)
-    pending = ({"step": step + 1, "params_version": rollout.params_version,
-                "params_lag": step - rollout.params_version}, m, rollout, refs)
-    if (step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps:
-      last_eval = evaluate(state.params, step + 1)
-      pending[0].update(last_eval)
-      bar.set_postfix(postfix(last_eval))
-    if (every and (step + 1) % every == 0) or step + 1 == cfg.train.steps:
-      finish(pending)  # the record is on disk before the checkpoint that covers it
-      pending = None
-      tree = {"train": state, "history": [p for _, p in history._buf] if history else []}
-      ckpt.save(step + 1, tree, meta(step + 1), metrics=last_eval)
-      _fault("save", step + 1)
-  if pending is not None:
-    finish(pending)
-  metrics_file.close()
-  ckpt.wait()
-  ckpt.close()
+    ckpt.wait()  # a failed asynchronous save (e.g. a full disk) raises here
+  finally:
+    metrics_file.close()
+    ckpt.close()
   student_dir = os.path.join(out_dir, "student")
   if not os.path.exists(student_dir):
     save_hf_params(state.params, student.cfg.replace(dtype="float32"), student_dir)

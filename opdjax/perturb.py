@@ -251,6 +251,10 @@ class ParamsHistory:
       raise UserError(f"lag {lag} needs a buffer of at least {lag + 1} versions (have maxlen={self._buf.maxlen}).")
     return self._buf[max(len(self._buf) - 1 - lag, 0)]
 
+  def params(self) -> list:
+    """The kept versions' params, oldest first (what a checkpoint saves)."""
+    return [p for _, p in self._buf]
+
   def __len__(self):
     return len(self._buf)
 

@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from opdjax import cli
@@ -180,3 +182,28 @@ def test_restore_into_other_shardings_on_four_host_devices(tmp_path):
   res = subprocess.run([sys.executable, "-c", SHARDED, str(tmp_path / "ck")], cwd=ROOT, capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
   assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_full_disk_fails_loudly_and_keeps_earlier_checkpoints(demo_cache, tmp_path, capsys):
+  """A real 1.5 MiB tmpfs: the run stops with an error, and the newest complete checkpoint restores."""
+  from opdjax.checkpoint import restore_student
+
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(disk)], capture_output=True)
+  if mounted.returncode:
+    pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+  try:
+    out = disk / "run"
+    rc = cli.main(["train", "--out", str(out), "--config", "configs/demo.py", "--config.train.steps=200",
+                   "--config.train.checkpoint_every=1", "--config.train.keep_checkpoints=50",
+                   "--config.train.best_metric="])
+    assert rc != 0
+    assert "No space left" in capsys.readouterr().err
+    model, params, meta = restore_student(str(out))
+    assert meta["step"] >= 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+  finally:
+    if subprocess.run(["umount", str(disk)]).returncode:
+      subprocess.run(["umount", "-l", str(disk)], check=True)
