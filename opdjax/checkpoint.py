@@ -121,7 +121,10 @@ def export(run_dir: str, out_dir: str, step: int | None = None) -> str:
 
   model, params, meta = restore_student(run_dir, step)
   extra = {}
+  from opdjax.models.fetch import resolve
+
   src = meta["config"].get("student", {}).get("path") or meta["config"].get("teacher", {}).get("path")
+  src = resolve(src) if src else src
   for name in TOKENIZER_FILES:
     if src and os.path.exists(os.path.join(src, name)):
       with open(os.path.join(src, name)) as f:

@@ -35,11 +35,13 @@ def default_config() -> ml_collections.ConfigDict:
   # Compute dtype of both models' matmuls (params stay fp32; logits and KL are always fp32).
   c.model = ml_collections.ConfigDict({"dtype": "float32", "remat": False})
   # teacher.view: score with a perturbed teacher (e.g. "weights=fp8"); see mismatch.EngineView.
+  # path: an HF folder or "fetch:NAME" (opdjax models fetch); keep_layers prunes a loaded model
+  # ("0::2" keeps every other layer): a student made from the teacher.
   c.teacher = ml_collections.ConfigDict({
-      "path": "", "view": "clean", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "sft_steps": 1200,
-      "sft_batch": 64, "sft_lr": 3e-3})
+      "path": "", "view": "clean", "keep_layers": "", "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+      "sft_steps": 1200, "sft_batch": 64, "sft_lr": 3e-3})
   c.student = ml_collections.ConfigDict({
-      "path": "", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "sft_steps": 100,
+      "path": "", "keep_layers": "", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "sft_steps": 100,
       "sft_batch": 64, "sft_lr": 3e-3})
   c.rollout = ml_collections.ConfigDict({
       "engine": "jax", "view": "clean", "batch_size": 64, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0,

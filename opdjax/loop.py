@@ -24,6 +24,7 @@ from opdjax.errors import UserError
 from opdjax.loss import LossConfig
 from opdjax.mismatch import EngineView, exact_kl
 from opdjax.models import Model, ModelConfig, load_hf_params, save_hf_params
+from opdjax.models.fetch import resolve
 from opdjax.perturb import ParamsHistory
 from opdjax.rollout import JaxEngine, SamplingParams
 from opdjax.scoring import batch_from_rollout, masked_mean
@@ -38,16 +39,39 @@ def make_task(cfg: ml_collections.ConfigDict):
   if cfg.task.name == "prompts":
     if not cfg.teacher.path:
       raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
-    return PromptsTask(cfg.task.path, cfg.teacher.path, cfg.task.num_eval, cfg.task.chat_template,
+    path = cfg.task.path
+    if path.startswith("builtin:"):  # prompts shipped with opdjax (opdjax/data/NAME.jsonl)
+      path = os.path.join(os.path.dirname(__file__), "data", path[len("builtin:"):] + ".jsonl")
+    return PromptsTask(path, resolve(cfg.teacher.path), cfg.task.num_eval, cfg.task.chat_template,
                        cfg.rollout.max_len - cfg.rollout.max_new_tokens)
   raise UserError(f"task.name={cfg.task.name!r}: choose 'addition' or 'prompts'.")
+
+
+def prune_layers(model_cfg: ModelConfig, params, keep: str):
+  """Keeps the layers `keep` selects (a Python slice like `0::2`, or `0,3,5`), renumbered."""
+  n = model_cfg.num_layers
+  try:
+    if ":" in keep:
+      kept = list(range(n))[slice(*[int(x) if x else None for x in keep.split(":")])]
+    else:
+      kept = [int(x) for x in keep.split(",")]
+  except ValueError:
+    raise UserError(f"keep_layers={keep!r}: give a slice like '0::2' or indices like '0,3,5'.") from None
+  if not kept or any(not 0 <= i < n for i in kept):
+    raise UserError(f"keep_layers={keep!r} selects {kept} of a {n}-layer model.")
+  pruned = {k: v for k, v in params.items() if not k.startswith("layers_")}
+  pruned.update({f"layers_{j}": params[f"layers_{i}"] for j, i in enumerate(kept)})
+  return model_cfg.replace(num_layers=len(kept)), pruned
 
 
 def load_model(role: str, cfg: ml_collections.ConfigDict, task):
   mc = cfg[role]
   if mc.path:
-    model_cfg = ModelConfig.from_pretrained(mc.path)
-    params = load_hf_params(mc.path, model_cfg)
+    path = resolve(mc.path)
+    model_cfg = ModelConfig.from_pretrained(path)
+    params = load_hf_params(path, model_cfg)
+    if mc.get("keep_layers"):
+      model_cfg, params = prune_layers(model_cfg, params, mc.keep_layers)
   elif isinstance(task, AdditionTask):
     model, params, _ = cached_sft_model(role, mc, task, cfg.seed)
     model_cfg = model.cfg

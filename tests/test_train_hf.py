@@ -101,3 +101,37 @@ def test_prompt_longer_than_engine_is_one_clear_error(folders, tmp_path, capsys)
   rc = cli.main(_args(folders, tmp_path / "run", "--config.rollout.max_len=10", "--config.train.steps=1"))
   assert rc == 2
   assert "raise rollout.max_len" in capsys.readouterr().err
+
+
+def test_keep_layers_prunes_like_deleting_hf_layers(folders):
+  import torch
+  import transformers
+
+  from opdjax.errors import UserError
+  from opdjax.loop import prune_layers
+  from opdjax.models import Model, ModelConfig, load_hf_params
+
+  path = folders / "teacher"
+  cfg = ModelConfig.from_pretrained(path)
+  pcfg, params = prune_layers(cfg, load_hf_params(str(path), cfg), "1:")
+  assert pcfg.num_layers == 1 and set(k for k in params if k.startswith("layers_")) == {"layers_0"}
+  hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+  hf.model.layers = torch.nn.ModuleList([hf.model.layers[1]])
+  tokens = np.array([[3, 9, 27, 4, 11]])
+  with torch.no_grad():
+    want = hf(torch.tensor(tokens), use_cache=False).logits.numpy()
+  got, _ = Model(pcfg).apply(params, tokens, np.arange(5)[None], np.ones_like(tokens))
+  assert np.abs(np.asarray(got) - want).max() < 1e-4
+  full, _ = Model(cfg).apply(load_hf_params(str(path), cfg), tokens, np.arange(5)[None], np.ones_like(tokens))
+  assert np.abs(np.asarray(full) - want).max() > 1e-2  # pruning really changed the model
+  for bad in ("5", "0:0", "x:y"):
+    with pytest.raises(UserError, match="keep_layers"):
+      prune_layers(cfg, params, bad)
+
+
+def test_builtin_chat_prompts_are_shipped():
+  import opdjax
+
+  path = os.path.join(os.path.dirname(opdjax.__file__), "data", "chat_prompts.jsonl")
+  rows = [json.loads(line) for line in open(path)]
+  assert len(rows) == 64 and all(r["prompt"].strip() for r in rows)

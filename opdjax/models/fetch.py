@@ -102,3 +102,10 @@ def fetch(name: str, cache_dir: str | None = None, progress: bool = True) -> str
       if not os.path.exists(os.path.join(path, "SOURCE.json")):
         raise
   return path
+
+
+def resolve(path: str) -> str:
+  """A model path from a config: a folder, or `fetch:NAME` (fetched and cached on first use)."""
+  if path.startswith("fetch:"):
+    return fetch(path[len("fetch:"):])
+  return path
