@@ -14,6 +14,7 @@ reports the newest complete one.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 
@@ -32,6 +33,10 @@ def package_versions() -> dict[str, str]:
     except importlib.metadata.PackageNotFoundError:
       pass
   return out
+
+
+class CheckpointWriteError(OSError):
+  """A save failed (full disk, lost mount, ...); the checkpoints before it are complete and intact."""
 
 
 class RunCheckpointer:
@@ -53,13 +58,30 @@ class RunCheckpointer:
   def all_steps(self) -> list[int]:
     return list(self._latest.all_steps())
 
+  def incomplete(self) -> list[str]:
+    """Folders of saves that never finished (a crash mid-save); Orbax never restores them."""
+    root = os.path.join(self.directory, "latest")
+    if not os.path.isdir(root):
+      return []
+    return sorted(os.path.join(root, d) for d in os.listdir(root) if ".orbax-checkpoint-tmp" in d)
+
   def save(self, step: int, state_tree, meta: dict, metrics: dict | None = None) -> None:
     # Copy first: the next train step donates the live buffers while the save may still run.
     state_tree = jax.tree.map(jnp.copy, state_tree)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state_tree), meta=ocp.args.JsonSave(meta))
-    self._latest.save(step, args=args)
-    if self._best is not None and metrics and self.best_metric in metrics:
-      self._best.save(step, args=args, metrics={self.best_metric: float(metrics[self.best_metric])})
+    with self._writing(step):
+      self._latest.save(step, args=args)
+      if self._best is not None and metrics and self.best_metric in metrics:
+        self._best.save(step, args=args, metrics={self.best_metric: float(metrics[self.best_metric])})
+
+  @contextlib.contextmanager
+  def _writing(self, step):
+    # Orbax reports a failed background write at the next save or wait, from tensorstore or from
+    # Python I/O: either way it becomes one OSError naming the folder.
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001
+      raise CheckpointWriteError(f"writing checkpoint {step} under {self.directory} failed: {e}") from e
 
   def read_meta(self, step: int) -> dict:
     return self._latest.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -77,11 +99,16 @@ class RunCheckpointer:
     return out["state"], out["meta"]
 
   def wait(self) -> None:
-    self._latest.wait_until_finished()
-    if self._best is not None:
-      self._best.wait_until_finished()
+    with self._writing("in flight"):
+      self._latest.wait_until_finished()
+      if self._best is not None:
+        self._best.wait_until_finished()
 
   def close(self) -> None:
+    with self._writing("in flight"):
+      self._close()
+
+  def _close(self) -> None:
     self._latest.close()
     if self._best is not None:
       self._best.close()

@@ -273,6 +273,8 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True, res
 def _resume(ckpt: RunCheckpointer, state, history, student, fallback: bool):
   """(step, state, last_eval) from the newest checkpoint that restores; history refilled in place."""
   steps = sorted(ckpt.all_steps(), reverse=True)
+  for path in ckpt.incomplete():
+    print(f"opdjax: skipping incomplete checkpoint {path} (a save that never finished)", file=sys.stderr)
   if not steps:
     raise UserError(f"{ckpt.directory} has no complete checkpoint to resume from.")
   errors = []

@@ -64,6 +64,11 @@ def test_resume_refusals_and_fallback(reference, tmp_path, capsys):
   err = capsys.readouterr().err
   assert "different student model" in err and "hidden_size: 32 in the checkpoint, 48 now" in err
   assert (out / "metrics.jsonl").read_text() == before
+  # A save that never finished (what a crash mid-save leaves) is reported and never restored.
+  shutil.copytree(out / "checkpoints" / "latest" / "8", out / "checkpoints" / "latest" / "10.orbax-checkpoint-tmp-1")
+  assert cli.main(["train", "--out", str(out), *ARGS]) == 0
+  assert "skipping incomplete checkpoint" in capsys.readouterr().err
+  assert (out / "metrics.jsonl").read_text() == before
   # Corrupt the newest checkpoint's arrays: the error names the step and path ...
   latest = out / "checkpoints" / "latest"
   for root, _, files in os.walk(latest / "8"):
