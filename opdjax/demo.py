@@ -44,7 +44,13 @@ def default_config() -> ml_collections.ConfigDict:
       "path": "", "keep_layers": "", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "sft_steps": 100,
       "sft_batch": 64, "sft_lr": 3e-3})
   c.rollout = ml_collections.ConfigDict({
-      "engine": "jax", "view": "clean", "batch_size": 64, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0,
+      "engine": "jax", "view": "clean", "batch_size": 64,
+      # rollout.engine = "vllm": a vLLM server (started here, or `url` to attach) samples; weights
+      # are synced every step through reload_weights. quantization / kv_cache_dtype ("fp8") need a GPU.
+      "vllm": ml_collections.ConfigDict({
+          "url": "", "dtype": "float32", "quantization": "", "kv_cache_dtype": "", "gpu_memory_utilization": 0.0,
+          "tensor_parallel_size": 1, "enforce_eager": True, "api_key": "", "python": "", "cpu_kvcache_gib": 1}),
+      "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0,
       "top_k": 0, "max_len": 32})
   c.loss = ml_collections.ConfigDict({
       "kind": "full_rkl", "topk": 8, "topk_support": "teacher", "jsd_beta": 0.5,

@@ -115,8 +115,8 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True, res
   `resume`: "auto" (resume when out_dir has a checkpoint), "require" (error if it has none) or
   "never". `fallback`: when the latest checkpoint cannot be restored, use the previous good one.
   """
-  if cfg.rollout.engine != "jax":
-    raise UserError(f"rollout.engine={cfg.rollout.engine!r}: available engines: 'jax'.")
+  if cfg.rollout.engine not in ("jax", "vllm"):
+    raise UserError(f"rollout.engine={cfg.rollout.engine!r}: choose 'jax' or 'vllm'.")
   if cfg.train.on_nonfinite not in ("halt", "skip"):
     raise UserError(f"train.on_nonfinite={cfg.train.on_nonfinite!r}; choose 'halt' or 'skip'.")
   loss_cfg = LossConfig(**cfg.loss)
@@ -164,9 +164,11 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True, res
     json.dump(cfg.to_dict(), f, indent=2)
 
   engine_kw = {"max_len": cfg.rollout.max_len, "pad_id": task.pad_id, "eos_ids": task.eos_ids}
-  engine = JaxEngine(view.model(student), None, **engine_kw)
-  # The engine holds FP8/INT8 weights packed (real fp8/int8 arrays + scales).
-  view_transform = jax.jit(lambda p, step: view.transform(p, student.cfg.num_layers, step, pack=True))
+  engine, closers = _rollout_engine(cfg, view, student, state.params, task, out_dir, engine_kw)
+  # The JAX engine holds FP8/INT8 weights packed (real fp8/int8 arrays + scales); vLLM gets them
+  # fake-quantized in the exported safetensors.
+  pack = cfg.rollout.engine == "jax"
+  view_transform = jax.jit(lambda p, step: view.transform(p, student.cfg.num_layers, step, pack=pack))
 
   def engine_params(step):
     """The params the engine samples with at `step`: lagged, noised, quantized per the view."""
@@ -263,11 +265,44 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True, res
     ckpt.wait()  # a failed asynchronous save (e.g. a full disk) raises here
   finally:
     metrics_file.close()
+    for close in closers:
+      close()
     ckpt.close()
   student_dir = os.path.join(out_dir, "student")
   if not os.path.exists(student_dir):
     save_hf_params(state.params, student.cfg.replace(dtype="float32"), student_dir)
   return records
+
+
+def _rollout_engine(cfg, view: EngineView, student: Model, params, task, out_dir: str, engine_kw: dict):
+  """(engine, [cleanups]) for `rollout.engine`: the embedded JAX engine or a vLLM server."""
+  if cfg.rollout.engine == "jax":
+    return JaxEngine(view.model(student), None, **engine_kw), []
+  from opdjax.rollout.vllm_engine import VllmEngine, VllmServer
+
+  if (view.compute_dtype, view.kv_quant, view.act_quant) != ("float32", "none", "none"):
+    raise UserError(f"rollout.view={view} with rollout.engine='vllm': vLLM's own precision is set by"
+                    " rollout.vllm.dtype / kv_cache_dtype / quantization; the view may only change weights,"
+                    " noise and lag.")
+  v = cfg.rollout.vllm
+  closers = []
+  server = v.url
+  if not server:
+    init_dir = os.path.join(out_dir, "vllm-init")  # the initial weights; every step syncs its own
+    if not os.path.exists(init_dir):
+      save_hf_params(params, student.cfg.replace(dtype="float32"), init_dir)
+    server = VllmServer(
+        init_dir, dtype=v.dtype, quantization=v.quantization or None, kv_cache_dtype=v.kv_cache_dtype or None,
+        gpu_memory_utilization=v.gpu_memory_utilization or None, tensor_parallel_size=v.tensor_parallel_size,
+        max_model_len=cfg.rollout.max_len, enforce_eager=v.enforce_eager, api_key=v.api_key or None,
+        python=v.python or None, log_path=os.path.join(out_dir, "vllm.log"),
+        env={"VLLM_CACHE_ROOT": os.path.join(out_dir, "vllm-cache"), "VLLM_CPU_KVCACHE_SPACE": str(v.cpu_kvcache_gib)})
+    server.start()
+    closers.append(server.stop)
+  engine = VllmEngine(server, student.cfg, pad_id=engine_kw["pad_id"], eos_ids=engine_kw["eos_ids"],
+                      api_key=v.api_key or None, export_dir=os.path.join(out_dir, "vllm-weights"))
+  closers.insert(0, engine.close)
+  return engine, closers
 
 
 def _resume(ckpt: RunCheckpointer, state, history, student, fallback: bool):
