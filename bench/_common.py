@@ -118,3 +118,18 @@ def append_markdown(path: str, title: str, machine: str, notes: list[str], table
   text += ["", table, "", f"**{ratio}**", "", f"`{json.dumps(summary)}`", ""]
   with open(path, "a") as f:
     f.write("\n".join(text) + "\n")
+
+
+def report(title: str, args, device: str, notes: list[str], table: str, ratio_line: str, summary: dict) -> None:
+  """Prints a benchmark's result and, with --out, appends it as a markdown section."""
+  print(f"\n{title}, mode {args.mode} ({device})")
+  for n in notes:
+    print(f"  {n}")
+  print(table)
+  print(ratio_line)
+  print(json.dumps(summary))
+  if args.out:
+    machine = args.machine or (device if args.mode == "gpu" else cpu_description())
+    if args.mode == "cpu":
+      machine += f"; each side pinned to {args.threads} core(s)"
+    append_markdown(args.out, f"{title} ({args.mode})", machine, notes, table, ratio_line, summary)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -319,18 +318,7 @@ def report(args, spec, results: list[dict]) -> None:
       ("Same weights on both sides (opdjax init exported with save_hf_params), so step-0 losses"
        " should agree" if args.share_weights else "Independent random weights on each side"),
   ]
-  print(f"\nOPD train step, mode {args.mode} ({jx['device']})")
-  for n in notes:
-    print(f"  {n}")
-  print(table)
-  print(ratio_line)
-  print(json.dumps(summary))
-  if args.out:
-    machine = args.machine or (jx["device"] if args.mode == "gpu" else _common.cpu_description())
-    if args.mode == "cpu":
-      machine += f"; each side pinned to {args.threads} core(s)"
-    _common.append_markdown(args.out, f"OPD train step ({args.mode})", machine, notes, table,
-                            ratio_line, summary)
+  _common.report("OPD train step", args, jx["device"], notes, table, ratio_line, summary)
 
 
 def main():

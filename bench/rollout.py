@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -153,7 +152,7 @@ def dry_run(args, spec) -> None:
   p_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dt), p_shapes)
   b, p, n = spec["batch"], spec["prompt"], spec["new"]
   cache = jax.eval_shape(lambda: model.init_cache(b, p + n))
-  engine = JaxEngine(model, p_shapes, max_len=p + n, pad_id=0, eos_ids=())
+  engine = JaxEngine(model, None, max_len=p + n, pad_id=0, eos_ids=())
   sampling = SamplingParams(max_new_tokens=n, temperature=1.0, top_p=1.0, top_k=0)
   fn = engine._fn(sampling)  # the engine's jitted prefill + decode loop
   t0 = time.perf_counter()
@@ -201,18 +200,7 @@ def report(args, spec, results: list[dict]) -> None:
       f"opdjax: {jx['framework']}; HF: {hf['framework']}",
       *([_common.CPU_TIME_NOTE] if cpu else []),
   ]
-  print(f"\nRollout, mode {args.mode} ({jx['device']})")
-  for n in notes:
-    print(f"  {n}")
-  print(table)
-  print(ratio_line)
-  print(json.dumps(summary))
-  if args.out:
-    machine = args.machine or (jx["device"] if args.mode == "gpu" else _common.cpu_description())
-    if args.mode == "cpu":
-      machine += f"; each side pinned to {args.threads} core(s)"
-    _common.append_markdown(args.out, f"Rollout ({args.mode})", machine, notes, table,
-                            ratio_line, summary)
+  _common.report("Rollout", args, jx["device"], notes, table, ratio_line, summary)
 
 
 def main():

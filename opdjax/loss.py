@@ -187,7 +187,8 @@ def _fused_fwd(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype):
 def _fused_bwd(cfg, dtype, grads, cotangents):
   g_loss = cotangents[0]  # the diagnostics carry no gradient
   g_h, g_w = grads
-  return (g_loss * g_h, g_loss * g_w, None, None, None, None, None)
+  # Cotangents keep the primals' dtypes (bf16 hidden states stay bf16).
+  return ((g_loss * g_h).astype(g_h.dtype), (g_loss * g_w).astype(g_w.dtype), None, None, None, None, None)
 
 
 fused_opd_loss.defvjp(_fused_fwd, _fused_bwd)

@@ -126,3 +126,21 @@ def test_fused_chunked_gradient_equals_plain_autodiff(kind, is_mode, tied):
   assert scale > 1e-3
   for a, b in zip(flat, flat_ref):
     np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_bf16_compute_step_with_bf16_teacher_weights(remat):
+  """The GPU configs' precision on CPU: bf16 matmuls, fp32 master params, a bf16-stored teacher."""
+  student = Model(_cfg(hidden=16, layers=1).replace(dtype="bfloat16"), remat=remat)
+  teacher = Model(_cfg().replace(dtype="bfloat16"))
+  t_params = jax.tree.map(lambda x: (4 * x).astype(jnp.bfloat16), teacher.init(jax.random.key(1)))
+  opt = make_optimizer(OptimConfig(learning_rate=3e-2, warmup_steps=1, total_steps=20))
+  step = make_train_step(student, teacher, LossConfig(kind="full_rkl", chunk=5), opt)
+  state = TrainState.create(student.init(jax.random.key(0)), opt)
+  batch = _batch(np.random.default_rng(0), 3, 12, 48)
+  kls = []
+  for _ in range(15):
+    state, m = step(state, t_params, batch)
+    kls.append(float(m["reverse_kl"]))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+  assert np.isfinite(kls).all() and kls[-1] < 0.8 * kls[0]
