@@ -70,6 +70,7 @@ def default_config() -> ml_collections.ConfigDict:
           "kv_quant=fp8_e4m3", "kv_quant=fp8_e5m2", "noise_sigma=0.01", "noise_sigma=0.03", "noise_sigma=0.1",
           "lag=1", "lag=2", "lag=4", "weights=fp8,kv_quant=fp8_e4m3,lag=2,noise_sigma=0.01"]),
       "warmup_steps": 8, "num_prompts": 128, "seed": 0})
+  c.lock()  # configs may change these keys, never add new ones
   return c
 
 

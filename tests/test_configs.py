@@ -55,3 +55,10 @@ def test_bad_loss_value_is_rejected():
 def test_missing_config_file():
   with pytest.raises(ConfigError, match="not found"):
     load_config_file("configs/does_not_exist.py")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_configs_are_locked(path):
+  cfg = load_config_file(path)
+  with pytest.raises(AttributeError):
+    cfg.train.stepz = 3  # a typo in a config file is an error, not a new key
