@@ -323,7 +323,7 @@ def test_cli_models_fetch_unknown_name(capsys):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, tmp_path):
+def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, tmp_path, monkeypatch):
   """The same folder in vLLM (in-process): the answer says Paris, token for token the JAX engine's."""
   import importlib.util
   import os
@@ -341,11 +341,17 @@ def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, tmp_pat
   prompt = tok(text, add_special_tokens=False)["input_ids"]
   model, params = opdjax_model
   sp = SamplingParams(max_new_tokens=16, temperature=0.0)
-  os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-  os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-  with VllmInProcessEngine(folder, model.cfg, pad_id=tok.pad_token_id, eos_ids=(tok.eos_token_id,),
-                           dtype="float32", enforce_eager=True, max_model_len=256) as engine:
+  # The engine core in this process (no child left behind to keep pytest from exiting).
+  for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}.items():
+    monkeypatch.setenv(k, v)
+  engine = VllmInProcessEngine(folder, model.cfg, pad_id=tok.pad_token_id, eos_ids=(tok.eos_token_id,),
+                               dtype="float32", enforce_eager=True, max_model_len=256)
+  try:
     got = engine.generate([prompt], sp)
+  finally:
+    engine.close()
+    del engine
   want = JaxEngine(model, params, max_len=len(prompt) + 16, pad_id=tok.pad_token_id,
                    eos_ids=(tok.eos_token_id,)).generate([prompt], sp)
   vllm_ids = np.asarray(got.completion_tokens[0])[np.asarray(got.completion_mask[0])]
