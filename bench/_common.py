@@ -133,3 +133,16 @@ def report(title: str, args, device: str, notes: list[str], table: str, ratio_li
     if args.mode == "cpu":
       machine += f"; each side pinned to {args.threads} core(s)"
     append_markdown(args.out, f"{title} ({args.mode})", machine, notes, table, ratio_line, summary)
+
+
+def torch_device(mode: str):
+  """The torch device for a bench side: CUDA in gpu mode (an error without one), else the CPU
+  with torch's thread pool sized to this process's cores."""
+  import torch
+
+  if mode == "gpu":
+    if not torch.cuda.is_available():
+      raise SystemExit("--mode gpu needs a CUDA build of torch with a visible GPU.")
+    return torch.device("cuda")
+  torch.set_num_threads(len(os.sched_getaffinity(0)))
+  return torch.device("cpu")

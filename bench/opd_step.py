@@ -165,11 +165,7 @@ def torch_side(args, spec) -> dict:
   from transformers import Qwen3Config, Qwen3ForCausalLM
 
   gpu = args.mode == "gpu"
-  if gpu and not torch.cuda.is_available():
-    raise SystemExit("--mode gpu needs a CUDA build of torch with a visible GPU.")
-  device = torch.device("cuda" if gpu else "cpu")
-  if not gpu:
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+  device = _common.torch_device(args.mode)
   torch.zeros(1, device=device)  # initialise the backend before the baseline
   _common.trim_heap()
   base_rss = _common.rss_bytes()

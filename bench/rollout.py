@@ -103,11 +103,7 @@ def torch_side(args, spec) -> dict:
   from transformers import Qwen3ForCausalLM
 
   gpu = args.mode == "gpu"
-  if gpu and not torch.cuda.is_available():
-    raise SystemExit("--mode gpu needs a CUDA build of torch with a visible GPU.")
-  device = torch.device("cuda" if gpu else "cpu")
-  if not gpu:
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+  device = _common.torch_device(args.mode)
   model = Qwen3ForCausalLM.from_pretrained(args.weights_dir, dtype=getattr(torch, spec["dtype"]))
   model = model.to(device).eval()
   input_ids = torch.tensor(make_prompts(spec), device=device)

@@ -84,3 +84,20 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def score(model):
+  """`score(params, rollout, temperature) -> [B, N]` trainer log-probs of the completion tokens
+  (uses the test module's `model` fixture)."""
+  import functools
+
+  from opdjax.scoring import batch_from_rollout, token_logprobs
+
+  fn = jax.jit(functools.partial(token_logprobs, model), static_argnames="temperature")
+
+  def run(params, r, temperature=1.0):
+    lp = fn(params, batch_from_rollout(r), temperature=temperature)
+    return np.asarray(lp)[:, r.prompt_tokens.shape[1] - 1:]  # position P - 1 + j predicts completion j
+
+  return run

@@ -1,6 +1,5 @@
 """The embedded JAX rollout engine against re-scoring with the same fp32 params."""
 
-import functools
 
 import jax
 import numpy as np
@@ -9,7 +8,7 @@ import scipy.stats
 
 from opdjax.models import Model, ModelConfig
 from opdjax.rollout import JaxEngine, PromptTooLongError, SamplingParams
-from opdjax.scoring import batch_from_rollout, token_logprobs
+from opdjax.scoring import batch_from_rollout
 
 PAD = 0
 N_NEW = 6
@@ -35,18 +34,6 @@ def params(model, random_params):
 @pytest.fixture(scope="module")
 def engine(model, params):
   return JaxEngine(model, params, max_len=MAX_LEN, pad_id=PAD, eos_ids=(), version=1)
-
-
-@pytest.fixture(scope="module")
-def score(model):
-  """`score(params, rollout, temperature) -> [B, N]` trainer log-probs of the completion tokens."""
-  fn = jax.jit(functools.partial(token_logprobs, model), static_argnames="temperature")
-
-  def run(params, r, temperature=1.0):
-    lp = fn(params, batch_from_rollout(r), temperature=temperature)
-    return np.asarray(lp)[:, r.prompt_tokens.shape[1] - 1:]  # position P - 1 + j predicts completion j
-
-  return run
 
 
 @pytest.fixture(scope="module")

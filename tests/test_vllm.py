@@ -7,7 +7,6 @@ test. Tests marked `vllm` skip when vllm is not installed, unless OPDJAX_REQUIRE
 which turns the skip into a failure.
 """
 
-import functools
 import http.server
 import importlib.util
 import os
@@ -24,7 +23,7 @@ import pytest
 from opdjax.models import Model, ModelConfig, save_hf_params
 from opdjax.rollout import PromptTooLongError, SamplingParams
 from opdjax.rollout.vllm_engine import VllmEngine, VllmError, VllmInProcessEngine, VllmServer, prompt_seeds
-from opdjax.scoring import batch_from_rollout, token_logprobs
+from opdjax.scoring import batch_from_rollout
 
 
 def skip_without_vllm():
@@ -90,18 +89,6 @@ def server(model_dir, tmp_path_factory):
 def engine(server, model):
   with VllmEngine(server, model.cfg, pad_id=PAD, eos_ids=(), request_timeout_s=60) as eng:
     yield eng
-
-
-@pytest.fixture(scope="module")
-def score(model):
-  """`score(params, rollout, temperature) -> [B, N]` trainer log-probs of the completion tokens."""
-  fn = jax.jit(functools.partial(token_logprobs, model), static_argnames="temperature")
-
-  def run(p, r, temperature=1.0):
-    lp = fn(p, batch_from_rollout(r), temperature=temperature)
-    return np.asarray(lp)[:, r.prompt_tokens.shape[1] - 1:]  # position P - 1 + j predicts completion j
-
-  return run
 
 
 @pytest.fixture(scope="module")
