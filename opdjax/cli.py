@@ -30,7 +30,27 @@ def _summary(records: list[dict]) -> str:
   return "; ".join(parts) + f" over {last['step']} steps"
 
 
+ANALYSES = {
+    "sensitivity": ("opdjax.sensitivity", "rank layers and module kinds by quantization/noise mismatch; FP8 recipe"),
+    "prefix-shift": ("opdjax.prefix_shift", "where perturbed engines' samples leave the clean ones, and what it costs"),
+    "calibrate": ("opdjax.admission", "short OPD runs across mismatch levels -> budget.json"),
+}
+
+
+def _error(e: Exception) -> int:
+  print(f"opdjax: error: {e}", file=sys.stderr)
+  return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["kv-capacity"]:  # its own flags; no config
+    from opdjax import capacity
+    try:
+      return capacity.main(argv[1:])
+    except UserError as e:
+      return _error(e)
+
   parser = argparse.ArgumentParser(prog="opdjax", description="On-policy distillation in JAX.")
   sub = parser.add_subparsers(dest="command", required=True)
   demo = sub.add_parser("demo", help="offline CPU demo: OPD of a small addition student from a cached teacher")
@@ -46,6 +66,19 @@ def main(argv: list[str] | None = None) -> int:
   mismatch = sub.add_parser("mismatch", help="table of every mismatch metric for each engine view (+ attribution)")
   mismatch.add_argument("--config", required=True, help="configs/*.py; the views are mismatch.sources")
   mismatch.add_argument("--out", help="folder for mismatch.json")
+  # Analyses from a config (the demo's when --config is absent): each module has
+  # `run(cfg, out_dir) -> results` and `report(results) -> str`.
+  for name, help_ in ANALYSES.items():
+    p = sub.add_parser(name, help=help_[1])
+    p.add_argument("--config", help="configs/*.py exporting get_config() (default: the demo's)")
+    p.add_argument("--out", required=True, help="output folder (JSON/CSV/markdown + PNG plots)")
+  admit = sub.add_parser("admit", help="screen candidate rollout configs against a calibrated mismatch budget")
+  admit.add_argument("--budget", required=True, help="budget.json written by `opdjax calibrate`")
+  admit.add_argument("--candidates", required=True,
+                     help="a file with one candidate per line: NAME: ENGINE-VIEW (e.g. 'fp8: weights=fp8,lag=1')")
+  admit.add_argument("--out", help="folder for admission.json/csv/md and admission.png")
+  sub.add_parser("kv-capacity", add_help=False,
+                 help="KV-cache tokens that fit in a memory budget: BF16 vs FP8 KV cache and weights")
   export = sub.add_parser("export", help="a run's checkpointed student as a Hugging Face folder")
   export.add_argument("--checkpoint", required=True, help="the run's --out folder (or its checkpoints/)")
   export.add_argument("--out", required=True, help="new HF folder to write")
@@ -82,8 +115,19 @@ def main(argv: list[str] | None = None) -> int:
 
   try:
     overrides = _split_overrides(extra)
-    base = demo_lib.default_config() if args.command == "demo" else load_config_file(args.config)
-    cfg = apply_overrides(base, overrides)
+    config_path = getattr(args, "config", None)
+    if args.command != "admit":  # admit runs on the config stored in its budget.json
+      cfg = apply_overrides(load_config_file(config_path) if config_path else demo_lib.default_config(), overrides)
+    if args.command == "admit":
+      from opdjax import admission
+      print(admission.report(admission.admit(args.budget, args.candidates, args.out, overrides)))
+      return 0
+    if args.command in ANALYSES:
+      import importlib
+      module = importlib.import_module(ANALYSES[args.command][0])
+      run = module.calibrate if args.command == "calibrate" else module.run
+      print(module.report(run(cfg, args.out)))
+      return 0
     if args.command == "mismatch":
       from opdjax import mismatch_run
       print(mismatch_run.format_tables(mismatch_run.run(cfg, args.out)))
@@ -93,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"opdjax: error: {e}", file=sys.stderr)
     return 2
   except OSError as e:  # e.g. a full disk: earlier checkpoints are complete and untouched
+    if args.command not in ("train", "demo"):
+      print(f"opdjax: error: {e}", file=sys.stderr)
+      return 1
     print(f"opdjax: error: {e}; the run stopped. Free space and run the same command to resume from the latest"
           " complete checkpoint.", file=sys.stderr)
     return 1

@@ -70,6 +70,31 @@ def default_config() -> ml_collections.ConfigDict:
           "kv_quant=fp8_e4m3", "kv_quant=fp8_e5m2", "noise_sigma=0.01", "noise_sigma=0.03", "noise_sigma=0.1",
           "lag=1", "lag=2", "lag=4", "weights=fp8,kv_quant=fp8_e4m3,lag=2,noise_sigma=0.01"]),
       "warmup_steps": 8, "num_prompts": 128, "seed": 0})
+  # `opdjax sensitivity`: quantize/noise one layer and one module kind of `model` at a time;
+  # rank by exact KL on the same tokens; build the recipe keeping the fewest most-sensitive layers
+  # in bf16 under `target_kl` (0: half of the all-quantized recipe's KL above the clean floor).
+  c.sensitivity = ml_collections.ConfigDict({
+      "model": "teacher", "formats": "fp8_e4m3,fp8_e5m2,int8", "noise_sigma": 0.05,
+      "recipe_format": "fp8_e4m3:channel", "target_kl": 0.0, "num_prompts": 64, "seed": 0})
+  # `opdjax prefix-shift`: clean vs perturbed engines on the same prompts and RNG stream.
+  c.prefix_shift = ml_collections.ConfigDict({
+      "views": ";".join(["noise_sigma=0.01", "noise_sigma=0.03", "noise_sigma=0.1", "noise_sigma=0.3",
+                         "weights=fp8", "weights=fp8_e5m2", "lag=1", "lag=4", "lag=16"]),
+      "warmup_steps": 16, "num_prompts": 128, "seed": 0})
+  # `opdjax calibrate`: short OPD runs at each engine view, `seeds` seeds each; the budget is the
+  # largest mismatch whose quality loss vs the clean runs stays within the tolerance.
+  c.calibrate = ml_collections.ConfigDict({
+      "views": ";".join(["clean", "noise_sigma=0.1", "noise_sigma=0.4", "noise_sigma=0.8", "noise_sigma=1.6",
+                         "noise_sigma=3.2", "lag=4", "lag=32"]),
+      "seeds": 3, "steps": 800, "eval_every": 100, "tolerance_sigmas": 2.0, "tolerance_rel": 0.05,
+      "warmup_steps": 32, "num_prompts": 128, "seed": 0})
+  # `opdjax admit`: candidates' mismatch on the calibration batch, bootstrap interval over
+  # sequences; KV-cache capacity benefit computed for `memory_gib` of device memory.
+  c.admit = ml_collections.ConfigDict({"bootstrap": 1000, "confidence": 0.95, "memory_gib": 72.0})
+  # GRPO baseline (scripts/compare_opd_grpo.py): rollout.batch_size completions per step, in groups
+  # of group_size per prompt; learning_rate 0 uses optim.learning_rate.
+  c.grpo = ml_collections.ConfigDict({"group_size": 8, "normalize_std": True, "is_correction": "none",
+                                      "is_threshold": 2.0, "learning_rate": 0.0})
   c.lock()  # configs may change these keys, never add new ones
   return c
 

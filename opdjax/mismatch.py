@@ -152,6 +152,14 @@ class EngineView:
       raise UserError(f"compute_dtype={self.compute_dtype!r}; choose float32 or bfloat16.")
     if self.noise_sigma < 0 or self.lag < 0:
       raise UserError("noise_sigma and lag must be >= 0.")
+    if self.kv_quant not in ("none", "fp8_e4m3", "fp8_e5m2"):
+      raise UserError(f"kv_quant={self.kv_quant!r}; choose none, fp8_e4m3 or fp8_e5m2.")
+    if self.act_quant not in ("none", "fp8_e4m3", "int8"):
+      raise UserError(f"act_quant={self.act_quant!r}; choose none, fp8_e4m3 or int8.")
+    if self.kv_scale not in ("static", "per_head"):
+      raise UserError(f"kv_scale={self.kv_scale!r}; choose static or per_head.")
+    for _, fmt in self.recipe(num_layers=1) or []:
+      perturb.QuantFormat.parse(fmt)
 
   def __str__(self):
     diff = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
@@ -180,7 +188,7 @@ class EngineView:
     if self.weights == "fp32":
       return None
     if ">" in self.weights:
-      return [tuple(row.split(">", 1)) for row in self.weights.split("|")]
+      return perturb.parse_recipe(self.weights)
     return perturb.preset(self.weights, num_layers, self.keep_edge_layers)
 
   def transform(self, params, num_layers: int, noise_step: int = 0, pack: bool = False):
@@ -193,3 +201,28 @@ class EngineView:
     if recipe is not None:
       params = perturb.apply_recipe(params, recipe, pack=pack)
     return params
+
+
+class ViewTransform:
+  """Params as an engine view's engine holds them, compiled once for every sweep point: the noise
+  transform takes sigma as a traced argument, and each distinct recipe compiles once. The caller
+  picks the noise draw with `key` (the same key and sigma give `EngineView.transform`'s noise)."""
+
+  def __init__(self, num_layers: int, pack: bool = False):
+    self.num_layers, self.pack = num_layers, pack
+    self._noise = jax.jit(lambda p, key, sigma: perturb.add_weight_noise(p, key, sigma))
+    self._recipes: dict = {}
+
+  def __call__(self, view: EngineView, params, key: jax.Array):
+    if view.noise_sigma > 0:
+      params = self._noise(params, key, jnp.float32(view.noise_sigma))
+    recipe = view.recipe(self.num_layers)
+    if recipe is not None:
+      recipe = tuple(tuple(r) for r in recipe)
+      if recipe not in self._recipes:
+        self._recipes[recipe] = jax.jit(lambda p, r=recipe: perturb.apply_recipe(p, r, pack=self.pack))
+      params = self._recipes[recipe](params)
+    return params
+
+  def compiled(self) -> dict[str, int]:
+    return {"noise": self._noise._cache_size(), "recipes": sum(f._cache_size() for f in self._recipes.values())}

@@ -14,6 +14,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from tqdm import tqdm
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from opdjax.errors import UserError
 from opdjax.loop import load_model, make_task
 from opdjax.loss import LossConfig
-from opdjax.mismatch import EngineView, exact_kl, sampled_metrics
+from opdjax.mismatch import EngineView, ViewTransform, exact_kl, sampled_metrics
 from opdjax.perturb import ParamsHistory
 from opdjax.rollout import JaxEngine, SamplingParams
 from opdjax.scoring import batch_from_rollout, masked_mean, token_logprobs
@@ -37,7 +38,7 @@ class Measurer:
   def __init__(self, student, task, sampling: SamplingParams, max_len: int):
     self.student, self.task, self.sampling, self.max_len = student, task, sampling, max_len
     self._fns: dict = {}
-    self._transforms: dict = {}
+    self._views = ViewTransform(student.cfg.num_layers)
     temp = sampling.temperature if sampling.temperature > 0 else 1.0
     self._rescore = jax.jit(lambda p, b: token_logprobs(student, p, b, temperature=temp))
 
@@ -50,11 +51,8 @@ class Measurer:
     return self._fns[vmodel.cfg]
 
   def view_params(self, view: EngineView, history: ParamsHistory, noise_step: int = 0):
-    if view not in self._transforms:
-      n = self.student.cfg.num_layers
-      self._transforms[view] = jax.jit(lambda p, step: view.transform(p, n, step))
     _, lagged = history.lagged(view.lag)
-    return self._transforms[view](lagged, noise_step)
+    return self._views(view, lagged, jax.random.fold_in(jax.random.key(view.noise_seed), noise_step))
 
   def measure(self, view: EngineView, history: ParamsHistory, trainer_params, prompts, seed: int):
     _, kl_fn, engine = self._for_model(view)
@@ -67,6 +65,17 @@ class Measurer:
     metrics["exact_kl"] = masked_mean(kl_fn(vparams, trainer_params, batch), batch["loss_mask"])
     return {k: float(v) for k, v in metrics.items()}, batch
 
+  def compiled(self) -> dict[str, int]:
+    return {f"measure_{k}": v for k, v in self._views.compiled().items()}
+
+  def exact_kl_tokens(self, view: EngineView, history: ParamsHistory, trainer_params, prompts, seed: int):
+    """Per-position exact KL `[B, L]` of the view's own rollout and its loss mask (for intervals)."""
+    _, kl_fn, engine = self._for_model(view)
+    vparams = self.view_params(view, history)
+    engine.set_params(vparams, history.lagged(view.lag)[0])
+    batch = batch_from_rollout(engine.generate(prompts, self.sampling, seed=seed))
+    return np.asarray(kl_fn(vparams, trainer_params, batch)), np.asarray(batch["loss_mask"])
+
   def attribute(self, view: EngineView, history: ParamsHistory, trainer_params, batch, total: float):
     """Exact KL of each single perturbation on the combined view's tokens, and the remainder."""
     rows = {}
@@ -78,6 +87,32 @@ class Measurer:
     return rows
 
 
+def sampling_params(cfg: ml_collections.ConfigDict) -> SamplingParams:
+  return SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+
+
+def warmup_history(cfg, task, student, student_params, teacher, teacher_params, steps: int, max_lag: int):
+  """`steps` clean OPD steps from the start: (state, history of the last max_lag + 1 versions).
+
+  Real optimizer steps, so that lagged params differ the way they do in training.
+  """
+  optimizer = make_optimizer(OptimConfig(**cfg.optim))
+  step_fn = make_train_step(student, teacher, LossConfig(**cfg.loss), optimizer)
+  state = TrainState.create(jax.tree.map(jnp.copy, student_params), optimizer)  # the step donates it
+  history = ParamsHistory(max_lag + 1)
+  history.push(0, state.params)
+  engine = JaxEngine(student, state.params, max_len=cfg.rollout.max_len, pad_id=task.pad_id, eos_ids=task.eos_ids)
+  rng = np.random.default_rng(cfg.seed)
+  sampling = sampling_params(cfg)
+  for i in range(steps):
+    prompts, _ = task.train_batch(rng, cfg.rollout.batch_size)
+    engine.set_params(state.params, i)
+    state, _ = step_fn(state, teacher_params, batch_from_rollout(engine.generate(prompts, sampling, seed=i)))
+    history.push(i + 1, state.params)
+  return state, history
+
+
 def run(cfg: ml_collections.ConfigDict, out_dir: str | None = None, progress: bool = True) -> dict:
   views = [EngineView.parse(s) for s in cfg.mismatch.sources.split(";")]
   max_lag = max(v.lag for v in views)
@@ -87,23 +122,9 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str | None = None, progress: bo
   task = make_task(cfg)
   teacher, teacher_params = load_model("teacher", cfg, task)
   student, student_params = load_model("student", cfg, task)
-  sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
-
-  # Real optimizer steps, so that lagged params differ the way they do in training.
-  optimizer = make_optimizer(OptimConfig(**cfg.optim))
-  step_fn = make_train_step(student, teacher, LossConfig(**cfg.loss), optimizer)
-  state = TrainState.create(student_params, optimizer)
-  history = ParamsHistory(max_lag + 1)
-  history.push(0, state.params)
-  engine = JaxEngine(student, state.params, max_len=cfg.rollout.max_len, pad_id=task.pad_id, eos_ids=task.eos_ids)
-  rng = np.random.default_rng(cfg.seed)
-  for i in range(cfg.mismatch.warmup_steps):
-    prompts, _ = task.train_batch(rng, cfg.rollout.batch_size)
-    engine.set_params(state.params, i)
-    state, _ = step_fn(state, teacher_params, batch_from_rollout(engine.generate(prompts, sampling, seed=i)))
-    history.push(i + 1, state.params)
-
+  sampling = sampling_params(cfg)
+  state, history = warmup_history(cfg, task, student, student_params, teacher, teacher_params,
+                                  cfg.mismatch.warmup_steps, max_lag)
   measurer = Measurer(student, task, sampling, cfg.rollout.max_len)
   prompts = task.eval_set()[0][: cfg.mismatch.num_prompts]
   results = {"views": {}, "attribution": {}}

@@ -179,6 +179,18 @@ def preset(name: str, num_layers: int, keep_edge_layers: int = 1) -> list[tuple[
   return recipe + [("*", formats[name])]
 
 
+def parse_recipe(spec: str) -> list[tuple[str, str]]:
+  """`"layers.0.*>bf16|*>fp8_e4m3:channel"` -> [(pattern, format), ...] (formats checked)."""
+  rows = []
+  for row in spec.split("|"):
+    pat, sep, fmt = row.partition(">")
+    if not sep or not pat.strip() or not fmt.strip():
+      raise UserError(f"recipe row {row!r} in {spec!r} is not 'pattern>format' (e.g. 'layers.0.*>bf16|*>fp8_e4m3').")
+    QuantFormat.parse(fmt.strip())
+    rows.append((pat.strip(), fmt.strip()))
+  return rows
+
+
 def apply_recipe(params, recipe: Sequence[tuple[str, str]], pack: bool = False):
   """Quantizes each matrix by the first (pattern -> format) row whose pattern matches its path.
 
@@ -187,6 +199,13 @@ def apply_recipe(params, recipe: Sequence[tuple[str, str]], pack: bool = False):
   returned as `QArray`s (real fp8/int8 storage plus scales) instead of dequantized fp32.
   """
   rows = [(pat, QuantFormat.parse(spec)) for pat, spec in recipe]
+  if "lm_head" not in params and "embed_tokens" in params:  # tied: the head is the embedding matrix
+    embed = next((f for pat, f in rows if fnmatch.fnmatchcase("embed_tokens", pat)), None)
+    for pat, f in rows:
+      if pat == "lm_head" and f != embed:
+        raise UserError(f"recipe row lm_head>{f}: this model ties lm_head to embed_tokens (which gets {embed});"
+                        " give both the same format or drop the lm_head row.")
+    rows = [(pat, f) for pat, f in rows if pat != "lm_head"]
   for pat, _ in rows:
     match(pat, params)  # every pattern must select something
 

@@ -85,6 +85,12 @@ def train_step(state: TrainState, teacher_params, batch: TrainBatch, *, student:
   grad_fn = jax.value_and_grad(
       functools.partial(opd_loss, student=student, teacher=teacher, loss_cfg=loss_cfg), has_aux=True)
   (_, metrics), grads = grad_fn(state.params, teacher_params, batch)
+  return apply_gradients(state, grads, metrics, optimizer, skip_nonfinite)
+
+
+def apply_gradients(state: TrainState, grads, metrics: dict, optimizer: optax.GradientTransformation,
+                    skip_nonfinite: bool = False):
+  """One optimizer update; adds `grad_norm` (before clipping) and, with `skip_nonfinite`, `skipped`."""
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics["grad_norm"] = optax.tree.norm(grads)

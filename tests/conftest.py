@@ -101,3 +101,19 @@ def score(model):
     return np.asarray(lp)[:, r.prompt_tokens.shape[1] - 1:]  # position P - 1 + j predicts completion j
 
   return run
+
+
+@pytest.fixture
+def script():
+  """`script(name)` imports `scripts/NAME.py` as a module (the scripts are not a package)."""
+  import importlib.util
+  import pathlib
+
+  def load(name):
+    path = pathlib.Path(__file__).parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+  return load

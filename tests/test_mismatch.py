@@ -112,6 +112,19 @@ def test_recipe_keeps_norms_out_of_fp8_and_respects_order():
   assert ("layers.0.*", "bf16") in preset and ("layers.3.*", "bf16") in preset and ("layers.1.*", "bf16") not in preset
 
 
+def test_preset_on_a_tied_model_quantizes_the_shared_embedding_once_in_bf16():
+  cfg = ModelConfig(model_type="llama", vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3,
+                    num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+  params = Model(cfg).init(jax.random.key(0))
+  assert "lm_head" not in params
+  out = perturb.apply_recipe(params, perturb.preset("fp8", num_layers=3, keep_edge_layers=0))
+  emb = out["embed_tokens"]["embedding"]
+  assert np.array_equal(emb, emb.astype(jnp.bfloat16).astype(jnp.float32))
+  assert not np.array_equal(out["layers_1"]["mlp"]["up_proj"]["kernel"], params["layers_1"]["mlp"]["up_proj"]["kernel"])
+  with pytest.raises(UserError, match="'lm_hea' matches nothing"):  # typos are still errors
+    perturb.apply_recipe(params, [("lm_hea", "bf16")])
+
+
 def test_noise_is_seeded_relative_and_selective():
   _, params = _model()
   a = perturb.add_weight_noise(params, jax.random.key(0), 0.1)

@@ -1,0 +1,321 @@
+"""Mismatch budget calibration (`opdjax calibrate`) and the admission check (`opdjax admit`).
+
+Both measure mismatch on one scale with one protocol: from the student the run starts with,
+`warmup_steps` clean OPD steps fill a params history (so `lag=k` is a real k-step-old version),
+then the engine view generates on the first `num_prompts` held-out prompts with a fixed seed and
+the trainer re-scores the same tokens: the token mean of the exact full-vocabulary
+KL(engine || trainer). Calibration trains short OPD runs at each view (several seeds), relates
+that mismatch to the final quality, and fits the budget; admission measures a candidate's
+mismatch in seconds, with a bootstrap interval over sequences, and accepts it when the interval's
+upper end is within the budget.
+
+The budget fit: a view's quality is the median over its seeds of the final held-out reverse KL
+and verifier accuracy (short OPD runs converge at a random moment, and one late seed would
+dominate a mean of three); s = the seed standard deviation of the clean runs; tolerance =
+max(tolerance_sigmas * s * sqrt(2 / seeds), tolerance_rel * |clean median|); a view passes when
+its quality loss against clean (reverse KL up, accuracy down) is within the tolerance on every
+metric. (Not a std pooled over all views: unstable views would widen their own tolerance.)
+The budget is the largest mismatch among passing views that lies below the smallest failing
+mismatch (every view with less mismatch passed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from tqdm import tqdm
+
+from opdjax import reporting
+from opdjax.checkpoint import package_versions
+from opdjax.errors import UserError
+from opdjax.mismatch import EngineView
+from opdjax.mismatch_run import Measurer, warmup_history
+from opdjax.perturb import QuantFormat
+from opdjax.sweep import Runner, final_quality
+
+BUDGET_FORMAT = 1
+QUALITY = {"reverse_kl": +1, "accuracy": -1}  # sign of "worse" (reverse KL up, accuracy down)
+
+
+def parse_views(spec: str, what: str = "calibrate.views") -> list[EngineView]:
+  views = [EngineView.parse(s) for s in spec.split(";")]
+  if EngineView() not in views:
+    raise UserError(f"{what}={spec!r} has no 'clean' view: quality is compared against the clean engine.")
+  return views
+
+
+def check_admit_config(cfg: ml_collections.ConfigDict) -> None:
+  if cfg.admit.bootstrap < 10:
+    raise UserError(f"admit.bootstrap={cfg.admit.bootstrap}: use at least 10 resamples (1000 is the default).")
+  if not 0 < cfg.admit.confidence < 1:
+    raise UserError(f"admit.confidence={cfg.admit.confidence}: give a level in (0, 1), e.g. 0.95.")
+
+
+def family(view: EngineView) -> str:
+  names = list(view.sources())
+  return names[0] if len(names) == 1 else ("clean" if not names else "+".join(names))
+
+
+def params_fingerprint(params) -> str:
+  h = hashlib.sha256()
+  for x in jax.tree.leaves(params):
+    h.update(np.asarray(x, np.float32).tobytes())
+  return h.hexdigest()[:16]
+
+
+def bootstrap_interval(kl_BxL: np.ndarray, mask_BxL: np.ndarray, n: int, confidence: float, seed: int = 0):
+  """(token mean, low, high) of the masked mean, resampling sequences with replacement."""
+  sums = (kl_BxL * mask_BxL).sum(-1)
+  counts = mask_BxL.sum(-1)
+  mean = float(sums.sum() / max(counts.sum(), 1.0))
+  rng = np.random.default_rng(seed)
+  idx = rng.integers(0, len(sums), (n, len(sums)))
+  boot = sums[idx].sum(-1) / np.maximum(counts[idx].sum(-1), 1.0)
+  alpha = (1 - confidence) / 2
+  return mean, float(np.quantile(boot, alpha)), float(np.quantile(boot, 1 - alpha))
+
+
+class Calibration:
+  """The measurement protocol shared by `calibrate` and `admit`."""
+
+  def __init__(self, runner: Runner, warmup_steps: int, num_prompts: int, seed: int, max_lag: int):
+    cfg = runner.cfg
+    if warmup_steps < max_lag:
+      raise UserError(f"a view asks for lag {max_lag} but warmup_steps={warmup_steps}; raise it to >= {max_lag}.")
+    self.protocol = {"warmup_steps": warmup_steps, "num_prompts": num_prompts, "seed": seed}
+    self.state, self.history = warmup_history(cfg, runner.task, runner.student, runner.student_params,
+                                              runner.teacher, runner.teacher_params, warmup_steps, max_lag)
+    self.measurer = Measurer(runner.student, runner.task, runner.sampling, cfg.rollout.max_len)
+    self.prompts = runner.task.eval_set()[0][:num_prompts]
+    self.seed = seed
+
+  def kl_tokens(self, view: EngineView):
+    if view.lag >= len(self.history):
+      raise UserError(f"{view}: lag {view.lag} needs warmup_steps >= {view.lag} in the calibration protocol.")
+    return self.measurer.exact_kl_tokens(view, self.history, self.state.params, self.prompts, self.seed)
+
+
+# --- calibrate ---------------------------------------------------------------------------------
+
+def fit_budget(points: list[dict], seeds: int, tolerance_sigmas: float, tolerance_rel: float) -> dict:
+  """Marks each point pass/fail against the clean one and returns the fit (see the module doc)."""
+  clean = next(p for p in points if p["view"] == "clean")
+  metrics = [m for m in QUALITY if all(p.get(m) for p in points)]
+  fit = {"metrics": metrics, "seeds": seeds, "tolerance_sigmas": tolerance_sigmas, "tolerance_rel": tolerance_rel,
+         "clean_std": {}, "tolerance": {}}
+  for m in metrics:
+    s = float(np.std(clean[m], ddof=1))
+    fit["clean_std"][m] = s
+    fit["tolerance"][m] = max(tolerance_sigmas * s * np.sqrt(2.0 / seeds), tolerance_rel * abs(np.median(clean[m])))
+  for p in points:
+    p["quality_loss"] = {m: float(QUALITY[m] * (np.median(p[m]) - np.median(clean[m]))) for m in metrics}
+    p["pass"] = all(p["quality_loss"][m] <= fit["tolerance"][m] for m in metrics)
+  failing = [p["mismatch"] for p in points if not p["pass"]]
+  limit = min(failing) if failing else float("inf")
+  passing = [p["mismatch"] for p in points if p["pass"] and p["mismatch"] < limit]
+  fit["budget"] = max(passing) if passing else 0.0
+  fit["smallest_failing_mismatch"] = None if not failing else limit
+  fit["monotone"] = not any(p["pass"] for p in points if p["mismatch"] > limit)  # no pass above a failure
+  return fit
+
+
+def calibrate(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True) -> dict:
+  c = cfg.calibrate
+  views = parse_views(c.views)
+  check_admit_config(cfg)  # the bootstrap of each point's interval
+  if c.seeds < 2:
+    raise UserError(f"calibrate.seeds={c.seeds}: the tolerance needs the seed variance; use at least 2 seeds.")
+  path = os.path.join(out_dir, "budget.json")
+  if os.path.exists(path):
+    raise FileExistsError(f"{path} exists; pass a new --out folder (nothing was overwritten).")
+  t0 = time.time()
+  runner = Runner(cfg, c.steps, c.eval_every, progress)
+  cal = Calibration(runner, c.warmup_steps, c.num_prompts, c.seed, max(v.lag for v in views))
+  points, curves = [], {}
+  for view in tqdm(views, desc="calibrate views", disable=not progress):
+    kl, mask = cal.kl_tokens(view)
+    mean, lo, hi = bootstrap_interval(kl, mask, cfg.admit.bootstrap, cfg.admit.confidence)
+    point = {"view": str(view), "family": family(view), "mismatch": mean, "mismatch_ci": [lo, hi],
+             "reverse_kl": [], "accuracy": [], "train_mismatch_kl_k3": []}
+    for s in range(c.seeds):
+      records = runner.train(view, seed=s, desc=f"{view} seed {s}")
+      curves[f"{view}|{s}"] = records
+      for k, v in final_quality(records).items():
+        point[k].append(v)
+      point["train_mismatch_kl_k3"].append(float(np.mean([r["mismatch_kl_k3_tok"] for r in records[1:]])))
+    points.append(point)
+  fit = fit_budget(points, c.seeds, c.tolerance_sigmas, c.tolerance_rel)
+  budget = {
+      "format": BUDGET_FORMAT,
+      "budget": fit["budget"],
+      "scale": "token mean of exact KL(engine || trainer) on the calibration batch",
+      "fit": fit, "points": points, "protocol": cal.protocol,
+      "student_fingerprint": params_fingerprint(runner.student_params),
+      "config": cfg.to_dict(),
+      "provenance": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "versions": package_versions(), "wall_s": round(time.time() - t0, 1),
+                     "compiled": {**runner.compiled_counts(), **cal.measurer.compiled()}},
+  }
+  os.makedirs(out_dir, exist_ok=True)
+  reporting.write_json(os.path.join(out_dir, "curves.json"), curves)
+  rows = [{"view": p["view"], "family": p["family"], "mismatch": p["mismatch"], "ci_low": p["mismatch_ci"][0],
+           "ci_high": p["mismatch_ci"][1], **{f"{m}_median": float(np.median(p[m])) for m in fit["metrics"]},
+           **{f"{m}_std": float(np.std(p[m], ddof=1)) for m in fit["metrics"]}, "pass": p["pass"]} for p in points]
+  reporting.write_csv(os.path.join(out_dir, "calibration.csv"), rows)
+  reporting.write_text(os.path.join(out_dir, "calibration.md"), reporting.markdown_table(rows) + "\n")
+  plot_budget(budget, os.path.join(out_dir, "budget.png"))
+  reporting.write_json(path, budget)  # last: budget.json present means the calibration finished
+  return budget
+
+
+def plot_budget(budget: dict, path: str, candidates: list[dict] | None = None) -> str:
+  metrics = budget["fit"]["metrics"]
+  fig, axes = reporting.figure(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+  markers = {"clean": "s", "noise": "o", "lag": "^", "weights": "D", "kv_cache": "v"}
+  floor = max(min(p["mismatch"] for p in budget["points"] if p["mismatch"] > 0) / 10, 1e-9) \
+      if any(p["mismatch"] > 0 for p in budget["points"]) else 1e-9
+  for ax, m in zip(axes[0], metrics):
+    for p in budget["points"]:
+      x = max(p["mismatch"], floor)
+      color = "tab:green" if p["pass"] else "tab:red"
+      ax.scatter([x] * len(p[m]), p[m], marker=".", color=color, alpha=0.4, s=12)  # each seed
+      ax.scatter([x], [np.median(p[m])], marker=markers.get(p["family"], "o"), color=color, s=30)
+      ax.annotate(p["view"], (x, np.median(p[m])), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    clean = np.median(next(p for p in budget["points"] if p["view"] == "clean")[m])
+    tol = budget["fit"]["tolerance"][m]
+    ax.axhline(clean + QUALITY[m] * tol, color="gray", ls=":", label="tolerance")
+    ax.axvline(max(budget["budget"], floor), color="black", ls="--", label=f"budget {budget['budget']:.3g}")
+    for c in candidates or []:
+      ax.axvspan(max(c["ci_low"], floor), max(c["ci_high"], floor), ymin=0, ymax=0.04,
+                 color="tab:blue" if c["verdict"] == "accept" else "tab:orange", alpha=0.7)
+      ax.annotate(c["name"], (max(c["mismatch"], floor), ax.get_ylim()[0]), fontsize=6, rotation=90,
+                  xytext=(0, 12), textcoords="offset points",
+                  color="tab:blue" if c["verdict"] == "accept" else "tab:orange")
+    ax.set_xscale("log")
+    ax.set_xlabel("mismatch: exact KL(engine || trainer) per token")
+    ax.set_ylabel(f"final held-out {m}\n(median of seeds; dots: each seed)", fontsize=8)
+    if m == "reverse_kl":
+      ax.set_yscale("log")
+    ax.legend(fontsize=7)
+  return reporting.save_figure(fig, path)
+
+
+# --- admit -------------------------------------------------------------------------------------
+
+def read_candidates(path: str) -> list[tuple[str, EngineView]]:
+  """`NAME: ENGINE-VIEW` per line ('#' comments and blank lines ignored)."""
+  if not os.path.exists(path):
+    raise UserError(f"candidates file {path} does not exist.")
+  out = []
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      line = line.split("#", 1)[0].strip()
+      if not line:
+        continue
+      name, sep, spec = line.partition(":")
+      if not sep or not name.strip():
+        raise UserError(f"{path}:{n}: {line!r} is not 'NAME: ENGINE-VIEW'"
+                        " (e.g. 'fp8-kv: weights=fp8,kv_quant=fp8_e4m3').")
+      try:
+        view = EngineView.parse(spec)
+        for _, fmt in view.recipe(num_layers=1) or []:
+          QuantFormat.parse(fmt)
+        out.append((name.strip(), view))
+      except UserError as e:
+        raise UserError(f"{path}:{n}: candidate {name.strip()!r}: {e}") from None
+  if not out:
+    raise UserError(f"{path} lists no candidates.")
+  names = [n for n, _ in out]
+  if len(set(names)) != len(names):
+    raise UserError(f"{path}: candidate names repeat ({', '.join(sorted({n for n in names if names.count(n) > 1}))}).")
+  return out
+
+
+def load_budget(path: str) -> dict:
+  if not os.path.exists(path):
+    raise UserError(f"budget file {path} does not exist; write one with `opdjax calibrate --out DIR`.")
+  try:
+    with open(path) as f:
+      budget = json.load(f)
+  except json.JSONDecodeError as e:
+    raise UserError(f"{path} is not valid JSON ({e}); re-run `opdjax calibrate`.") from None
+  if budget.get("format") != BUDGET_FORMAT or "budget" not in budget:
+    raise UserError(f"{path} is not a budget.json of this opdjax (format {BUDGET_FORMAT}); re-run `opdjax calibrate`.")
+  return budget
+
+
+def admit(budget_path: str, candidates_path: str, out_dir: str | None = None, overrides: dict | None = None,
+          progress: bool = True) -> dict:
+  from opdjax.capacity import capacity_for_view
+  from opdjax.configlib import apply_overrides
+
+  budget = load_budget(budget_path)
+  candidates = read_candidates(candidates_path)
+  # Only admit.* may change: anything else (sampling, optimizer, models) would move the scale away
+  # from the one the budget was calibrated on.
+  other = sorted(k for k in overrides or {} if not k.startswith("admit."))
+  if other:
+    raise UserError(f"admit runs on the config stored in {budget_path}; only --config.admit.* may be overridden"
+                    f" (got {', '.join(other)}). Calibrate again to change the rest.")
+  cfg = apply_overrides(ml_collections.ConfigDict(budget["config"]), overrides or {})
+  check_admit_config(cfg)
+  proto = budget["protocol"]
+  runner = Runner(cfg, steps=1, eval_every=1, progress=False)
+  if params_fingerprint(runner.student_params) != budget["student_fingerprint"]:
+    raise UserError(f"{budget_path} was calibrated on a different student than this config loads; calibrate again"
+                    " for this student.")
+  max_lag = max(v.lag for _, v in candidates)
+  if max_lag > proto["warmup_steps"]:
+    raise UserError(f"a candidate has lag {max_lag} but the budget's protocol has warmup_steps="
+                    f"{proto['warmup_steps']}; calibrate with calibrate.warmup_steps >= {max_lag}.")
+  capacity = {}
+  for name, view in candidates:  # every candidate is checked before the (longer) measurements start
+    try:
+      view.model(runner.student)
+      capacity[name] = capacity_for_view(runner.student.cfg, view, cfg.admit.memory_gib)
+    except (UserError, ValueError) as e:
+      raise UserError(f"{candidates_path}: candidate {name!r} ({view}): {e}") from None
+  t0 = time.time()
+  cal = Calibration(runner, proto["warmup_steps"], proto["num_prompts"], proto["seed"], max_lag)
+  setup_s = time.time() - t0
+  rows = []
+  for name, view in tqdm(candidates, desc="candidates", disable=not progress):
+    t = time.time()
+    kl, mask = cal.kl_tokens(view)
+    mean, lo, hi = bootstrap_interval(kl, mask, cfg.admit.bootstrap, cfg.admit.confidence)
+    cap = capacity[name]
+    rows.append({"name": name, "view": str(view), "mismatch": mean, "ci_low": lo, "ci_high": hi,
+                 "budget": budget["budget"], "verdict": "accept" if hi <= budget["budget"] else "reject",
+                 "weight_gib": cap["weight_gib"], "kv_tokens": cap["kv_tokens"],
+                 "kv_tokens_ratio": cap["kv_tokens_ratio"], "seconds": round(time.time() - t, 2)})
+  result = {"budget": budget["budget"], "budget_path": os.path.abspath(budget_path), "confidence":
+            cfg.admit.confidence, "memory_gib": cfg.admit.memory_gib, "setup_s": round(setup_s, 2), "candidates": rows}
+  if out_dir:
+    os.makedirs(out_dir, exist_ok=True)
+    reporting.write_csv(os.path.join(out_dir, "admission.csv"), rows)
+    reporting.write_text(os.path.join(out_dir, "admission.md"), reporting.markdown_table(rows) + "\n")
+    plot_budget(budget, os.path.join(out_dir, "admission.png"), rows)
+    reporting.write_json(os.path.join(out_dir, "admission.json"), result)
+  return result
+
+
+def report(result: dict) -> str:
+  if "candidates" in result:
+    cols = ["name", "view", "mismatch", "ci_low", "ci_high", "verdict", "kv_tokens_ratio", "weight_gib", "seconds"]
+    head = (f"budget {result['budget']:.4g} (exact KL per token); accept when the {100 * result['confidence']:.0f}%"
+            f" upper bound is within it; KV capacity at {result['memory_gib']} GiB")
+    return head + "\n" + reporting.markdown_table(result["candidates"], cols)
+  fit = result["fit"]
+  rows = [{"view": p["view"], "mismatch": p["mismatch"],
+           **{m: f"{np.median(p[m]):.4f} (seeds {', '.join(f'{x:.3f}' for x in p[m])})" for m in fit["metrics"]},
+           **{f"loss_{m}": p["quality_loss"][m] for m in fit["metrics"]}, "pass": p["pass"]} for p in result["points"]]
+  tol = ", ".join(f"{m} {v:.4g}" for m, v in fit["tolerance"].items())
+  return (reporting.markdown_table(rows) + f"\n\ntolerance: {tol}\nbudget: {result['budget']:.4g}"
+          f" (exact KL per token; monotone: {fit['monotone']})")

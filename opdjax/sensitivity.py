@@ -1,0 +1,486 @@
+"""`opdjax sensitivity`: which layers and module kinds of one model are sensitive to weight rounding,
+and the model-specific FP8 recipe that follows.
+
+Tokens are sampled once by the clean model (the first `num_prompts` held-out prompts, the config's
+rollout sampling and `sensitivity.seed`). Every sweep point then re-scores those same tokens with
+perturbed weights: mismatch = masked mean over completion tokens of the exact full-vocabulary
+KL(perturbed || clean), the `exact_kl` of `opdjax.mismatch` (engine = perturbed, trainer = clean).
+The sweep perturbs one layer at a time (all of its matrices; its norms round to bf16, as in
+`perturb.apply_recipe`) and one module kind at a time (`q_proj` ... `down_proj` in every layer,
+`embed_tokens`, `lm_head`), once per format of `sensitivity.formats` and once with relative
+Gaussian weight noise `noise_sigma`. Every point goes through one compiled KL function: perturbed
+params keep the pytree structure and dtypes (fake quantization is fp32 quantize -> dequantize).
+
+With tied embeddings (SmolLM2) one tensor is both the input lookup and the output projection:
+`embed_tokens` perturbs only the lookup, `lm_head` only the projection (the KL function takes the
+params of the body and of the output projection separately), and `tied_embedding` both, which is
+what a recipe row `embed_tokens>...` does to such a model.
+
+Recipe: layers ranked by their single-layer KL under `recipe_format`; the recipe keeps the k most
+sensitive layers (and embeddings, lm_head, norms) in bf16 and every other matrix in
+`recipe_format`, with the smallest k whose *measured* KL is <= `target_kl` (0: half the KL of
+k = 0, every layer quantized, above the clean floor, which is 0 unless top-k/top-p truncate). At
+the same k (the same weight memory: all layers are the same size) it is compared with common
+practice, the first/last layers kept in bf16 (`perturb.preset`'s edge layers, generalised to any
+k: first ceil(k/2), last floor(k/2)), and with random choices of k layers.
+Details and measured numbers: docs/sensitivity.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from tqdm import tqdm
+
+from opdjax import capacity, perturb, reporting
+from opdjax.errors import UserError
+from opdjax.mismatch_run import sampling_params
+from opdjax.models.decoder import Model
+from opdjax.rollout import JaxEngine, SamplingParams
+from opdjax.rollout.sampling import sampling_logprobs
+from opdjax.scoring import TrainBatch, batch_from_rollout, chunked_over_positions, masked_mean
+
+ROLES = ("teacher", "student")
+QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "int8")
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+               ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+NUM_RANDOM = 3  # random same-memory recipes averaged
+
+
+# --- settings ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """`cfg.sensitivity`, checked. `perturbations` are canonical format specs (`fp8_e4m3:channel`) and
+  `noise:SIGMA`; the recipe format is always among them."""
+
+  model: str = "teacher"
+  perturbations: tuple[str, ...] = ("fp8_e4m3:channel", "fp8_e5m2:channel", "int8:channel", "noise:0.05")
+  recipe_format: str = "fp8_e4m3:channel"
+  target_kl: float = 0.0
+  num_prompts: int = 64
+  seed: int = 0
+
+  @classmethod
+  def from_config(cls, sc: ml_collections.ConfigDict) -> Settings:
+    if sc.model not in ROLES:
+      raise UserError(f"sensitivity.model={sc.model!r}: choose 'teacher' or 'student' (the model to analyse).")
+    recipe = perturb.QuantFormat.parse(sc.recipe_format)
+    if recipe.name not in QUANTIZED:
+      raise UserError(f"sensitivity.recipe_format={sc.recipe_format!r}: the recipe quantizes to one of"
+                      f" {', '.join(QUANTIZED)} (e.g. 'fp8_e4m3:channel'); bf16 is what it keeps.")
+    formats = [str(perturb.QuantFormat.parse(f.strip())) for f in sc.formats.split(",") if f.strip()]
+    if sc.noise_sigma < 0 or sc.target_kl < 0 or sc.num_prompts < 1:
+      raise UserError("sensitivity.noise_sigma and target_kl must be >= 0 and num_prompts >= 1 (got"
+                      f" {sc.noise_sigma}, {sc.target_kl}, {sc.num_prompts}).")
+    points = list(dict.fromkeys([str(recipe), *formats]))
+    if sc.noise_sigma > 0:
+      points.append(f"noise:{sc.noise_sigma:g}")
+    return cls(sc.model, tuple(points), str(recipe), float(sc.target_kl), int(sc.num_prompts), int(sc.seed))
+
+
+def perturbed(params, patterns: Sequence[str], perturbation: str, key: jax.Array):
+  """`params` with the modules matching `patterns` quantized (a format spec) or noised (`noise:SIGMA`);
+  every other leaf is the same array object."""
+  if perturbation.startswith("noise:"):
+    return perturb.add_weight_noise(params, key, float(perturbation[len("noise:"):]), list(patterns))
+  return perturb.apply_recipe(params, [(p, perturbation) for p in patterns])
+
+
+def module_kinds(model: Model) -> list[tuple[str, str, str]]:
+  """[(kind, pattern, side)]: `side` is which use of the tensor is perturbed: `both`, `in` (the
+  body, including the embedding lookup) or `out` (the output projection; tied models only)."""
+  kinds = [(name, f"*.{parent}.{name}", "both") for parent, name in PROJECTIONS]
+  if model.cfg.tie_word_embeddings:
+    return kinds + [("embed_tokens", "embed_tokens", "in"), ("lm_head", "embed_tokens", "out"),
+                    ("tied_embedding", "embed_tokens", "both")]
+  return kinds + [("embed_tokens", "embed_tokens", "both"), ("lm_head", "lm_head", "both")]
+
+
+# --- scoring the same tokens -------------------------------------------------------------------
+
+def _over_completions(model: Model, params_in, params_out, batch: TrainBatch, chunk: int, fn: Callable, *extra_BxN):
+  """`fn(logits [B, C, V] fp32, *extra chunks)` chunked over the completion positions (the last N of L),
+  with the body run on `params_in` and the logits formed with `params_out`."""
+  h_BxLxD, _ = model.hidden(params_in, batch["tokens"], batch["positions"], batch["attention_mask"])
+  h_BxNxD = h_BxLxD[:, h_BxLxD.shape[1] - batch["loss_mask"].shape[1]:]
+  return chunked_over_positions(lambda h, *xs: fn(model.logits(params_out, h), *xs), chunk, h_BxNxD, *extra_BxN)
+
+
+def _clean_logp(model: Model, temperature: float, chunk: int, params, batch: TrainBatch) -> jax.Array:
+  """The clean model's fp32 log-probs `[B, N, V]` at the sampling temperature (the trainer side)."""
+  return _over_completions(model, params, params, batch, chunk,
+                           lambda logits: jax.nn.log_softmax(logits / temperature, axis=-1))
+
+
+def _kl_to_clean(model: Model, sampling: SamplingParams, chunk: int, params_in, params_out, clean_logp_BxNxV,
+                 batch: TrainBatch) -> jax.Array:
+  """Masked mean over completion tokens of KL(perturbed engine || clean), as `mismatch.exact_kl`."""
+
+  def per_chunk(logits, logp):
+    logq = sampling_logprobs(logits, sampling)
+    q = jnp.exp(logq)
+    return jnp.sum(jnp.where(q > 0, q * (logq - logp), 0.0), axis=-1)
+
+  kl_BxN = _over_completions(model, params_in, params_out, batch, chunk, per_chunk, clean_logp_BxNxV)
+  return masked_mean(kl_BxN, batch["loss_mask"])
+
+
+class Scorer:
+  """KL(perturbed || clean) on one fixed batch of tokens: one compiled function for every params tree
+  of the clean tree's structure and dtypes. The clean side's log-probs are computed once."""
+
+  def __init__(self, model: Model, params, batch: TrainBatch, sampling: SamplingParams, chunk: int = 64):
+    temp = sampling.temperature if sampling.temperature > 0 else 1.0
+    self.model, self.clean = model, params
+    self.batch = batch
+    self.clean_logp = jax.jit(functools.partial(_clean_logp, model, temp, chunk))(params, batch)
+    self.fn = jax.jit(functools.partial(_kl_to_clean, model, sampling, chunk))
+
+  def kl(self, params_in, params_out=None) -> float:
+    """`params_out` (default `params_in`) computes the logits; `params_in` everything before."""
+    out = params_in if params_out is None else params_out
+    return float(self.fn(params_in, out, self.clean_logp, self.batch))
+
+
+def sample_tokens(model: Model, params, prompts, sampling: SamplingParams, seed: int, max_len: int, pad_id: int,
+                  eos_ids) -> TrainBatch:
+  """The clean model's completions as a batch for re-scoring; `loss_mask` covers the completions `[B, N]`."""
+  engine = JaxEngine(model, params, max_len=max_len, pad_id=pad_id, eos_ids=eos_ids)
+  rollout = engine.generate(prompts, sampling, seed=seed)
+  full = batch_from_rollout(rollout)
+  start = rollout.prompt_tokens.shape[1] - 1  # position P - 1 predicts the first completion token
+  return {"tokens": full["tokens"], "positions": full["positions"], "attention_mask": full["attention_mask"],
+          "loss_mask": full["loss_mask"][:, start:]}
+
+
+# --- recipe selection (pure) -------------------------------------------------------------------
+
+def rank(kls: Sequence[float]) -> list[int]:
+  """Indices by decreasing KL (ties: lower index first)."""
+  return sorted(range(len(kls)), key=lambda i: (-kls[i], i))
+
+
+def edge_layers(num_layers: int, k: int) -> list[int]:
+  """Common practice's choice of k bf16 layers: the first ceil(k/2) and the last floor(k/2)."""
+  first = list(range((k + 1) // 2))
+  return sorted(set(first) | set(range(num_layers - k // 2, num_layers)))
+
+
+def select_bf16_layers(order: Sequence[int], measure: Callable[[list[int]], float], target: float
+                       ) -> tuple[int, dict[int, float], bool]:
+  """The smallest k whose measured KL with `order[:k]` in bf16 is <= target: (k, {k: KL}, met).
+  Each candidate is measured (interactions between layers are real); when none meets the target,
+  k = len(order) (every layer in bf16) and met = False."""
+  curve = {}
+  for k in range(len(order) + 1):
+    curve[k] = measure(sorted(order[:k]))
+    if curve[k] <= target:
+      return k, curve, True
+  return len(order), curve, False
+
+
+def recipe_rows(bf16_layers: Sequence[int], fmt: str, has_lm_head: bool) -> list[tuple[str, str]]:
+  """(pattern, format) rows, first match wins: embeddings, lm_head and the chosen layers in bf16."""
+  rows = [("embed_tokens", "bf16")] + ([("lm_head", "bf16")] if has_lm_head else [])
+  return rows + [(f"layers.{i}.*", "bf16") for i in sorted(bf16_layers)] + [("*", fmt)]
+
+
+def recipe_spec(rows: Sequence[tuple[str, str]]) -> str:
+  """The `EngineView` weights string `pattern>format|...` (no commas: view specs split on them)."""
+  return "|".join(f"{p}>{f}" for p, f in rows)
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+  """Spearman rank correlation (average ranks for ties); None when either side is constant."""
+
+  def ranks(x):
+    x = np.asarray(x, np.float64)
+    order = np.argsort(x, kind="stable")
+    r = np.empty(len(x))
+    r[order] = np.arange(len(x))
+    for v in np.unique(x):  # average ranks for ties
+      r[x == v] = r[x == v].mean()
+    return r
+
+  ra, rb = ranks(a), ranks(b)
+  if len(ra) < 2 or ra.std() == 0 or rb.std() == 0:
+    return None
+  return float(np.corrcoef(ra, rb)[0, 1])
+
+
+# --- the analysis ------------------------------------------------------------------------------
+
+def _mix(bf16_params, quant_params, bf16_layers: Sequence[int]):
+  """The recipe's params from the all-bf16 and all-quantized trees: layer i from the former if kept."""
+  keep = {f"layers_{i}" for i in bf16_layers}
+  return {k: (bf16_params[k] if k in keep else v) for k, v in quant_params.items()}
+
+
+def analyse(model: Model, params, scorer: Scorer, settings: Settings, progress: bool = True) -> dict:
+  """Every sweep point, the rankings and the recipe of one model; `scorer` holds the fixed tokens."""
+  n = model.cfg.num_layers
+  key = jax.random.key(settings.seed)
+  kinds = module_kinds(model)
+  points = settings.perturbations
+  layer_kl = {p: [0.0] * n for p in points}
+  kind_kl = {p: {} for p in points}
+  bar = tqdm(total=len(points) * (n + len(kinds)), desc="sensitivity sweep", disable=not progress)
+  for p in points:
+    for i in range(n):
+      layer_kl[p][i] = scorer.kl(perturbed(params, [f"layers.{i}.*"], p, key))
+      bar.update()
+    for name, pattern, side in kinds:
+      pp = perturbed(params, [pattern], p, key)
+      kind_kl[p][name] = scorer.kl(pp if side != "out" else params, pp if side != "in" else params)
+      bar.update()
+  bar.close()
+
+  fmt = settings.recipe_format
+  has_lm_head = "lm_head" in params
+  order = rank(layer_kl[fmt])
+  # Every candidate recipe is one of these two trees layer by layer (`_mix`), bit for bit what
+  # `perturb.apply_recipe(params, recipe_rows(...))` gives (tested).
+  quant_all = perturb.apply_recipe(params, recipe_rows([], fmt, has_lm_head))
+  bf16_all = perturb.apply_recipe(params, [("*", "bf16")])
+  measured: dict[frozenset, float] = {}
+
+  def measure(layers):
+    ident = frozenset(layers)
+    if ident not in measured:
+      measured[ident] = scorer.kl(_mix(bf16_all, quant_all, sorted(ident)))
+    return measured[ident]
+
+  # The clean floor is 0 unless sampling truncates (top-k/top-p): KL(truncated || trainer) > 0.
+  kl_clean = scorer.kl(params)
+  kl_all_quant = measure([])
+  target = settings.target_kl if settings.target_kl > 0 else kl_clean + 0.5 * (kl_all_quant - kl_clean)
+  with tqdm(desc="recipe search", disable=not progress) as bar:
+    def measure_counted(layers):
+      bar.update()
+      return measure(layers)
+
+    k, _, met = select_bf16_layers(order, measure_counted, target)
+    grid = sorted(set(range(n + 1)) if n <= 12 else
+                  {*range(5), *np.linspace(0, n, 9).round().astype(int).tolist()} | {k})
+    curve = [{"k": j, "sensitivity_kl": measure_counted(sorted(order[:j])),
+              "edge_kl": measure_counted(edge_layers(n, j))} for j in grid]
+    rng = np.random.default_rng(settings.seed)
+    random_sets = [sorted(rng.choice(n, k, replace=False).tolist()) for _ in range(NUM_RANDOM)]
+    random_kls = [measure_counted(s) for s in random_sets]
+
+  bf16_layers = sorted(order[:k])
+  rows = recipe_rows(bf16_layers, fmt, has_lm_head)
+  kind_names = [name for name, _, _ in kinds]
+  kind_order = rank([kind_kl[fmt][name] for name in kind_names])
+  return {
+      "model": {"model_type": model.cfg.model_type, "num_layers": n, "hidden_size": model.cfg.hidden_size,
+                "vocab_size": model.cfg.vocab_size, "tie_word_embeddings": model.cfg.tie_word_embeddings,
+                "num_params": int(sum(x.size for x in jax.tree.leaves(params)))},
+      "settings": dataclasses.asdict(settings),
+      "num_tokens": int(jnp.sum(scorer.batch["loss_mask"])),
+      "num_sequences": int(scorer.batch["loss_mask"].shape[0]),
+      "kl_clean": kl_clean,
+      "layers": [{"layer": i, **{p: layer_kl[p][i] for p in points}} for i in range(n)],
+      "kinds": [{"kind": name, **{p: kind_kl[p][name] for p in points}} for name in kind_names],
+      "ranking": {"format": fmt, "layers": order, "kinds": [kind_names[j] for j in kind_order]},
+      # Does the layer ranking depend on the format? Spearman of each perturbation's layer KLs
+      # against the recipe format's.
+      "format_agreement": {p: spearman(layer_kl[p], layer_kl[fmt]) for p in points if p != fmt},
+      "recipe": {"format": fmt, "k": k, "bf16_layers": bf16_layers, "target_kl": target,
+                 "target_auto": settings.target_kl == 0, "target_met": met, "measured_kl": measure(bf16_layers),
+                 "rows": [list(r) for r in rows], "weights": recipe_spec(rows),
+                 "engine_view": "weights=" + recipe_spec(rows),
+                 # Serving footprint (bf16 baseline, FP8/INT8 scales counted), as `opdjax kv-capacity` counts.
+                 "weight_mib": capacity.weight_footprint(model.cfg, rows)["bytes"] / 2**20,
+                 "kl_all_quantized": kl_all_quant, "kl_all_bf16": measure(list(range(n)))},
+      "baselines": {
+          "edge": {"bf16_layers": edge_layers(n, k), "kl": measure(edge_layers(n, k))},
+          "random": {"bf16_layers": random_sets, "kls": random_kls, "kl": float(np.mean(random_kls))},
+          "all_bf16_mib": capacity.weight_footprint(model.cfg, None)["bytes"] / 2**20},
+      "curve": curve,
+      "compiles": scorer.fn._cache_size(),
+  }
+
+
+def compare(a: dict, b: dict) -> dict:
+  """How two models' kind rankings agree: Spearman of the KLs over their common kinds, per perturbation."""
+  kinds_a, kinds_b = {r["kind"]: r for r in a["kinds"]}, {r["kind"]: r for r in b["kinds"]}
+  common = [k for k in kinds_a if k in kinds_b]
+  points = [p for p in a["settings"]["perturbations"] if p in b["settings"]["perturbations"]]
+  return {"kinds": common,
+          "spearman": {p: spearman([kinds_a[k][p] for k in common], [kinds_b[k][p] for k in common]) for p in points},
+          "top_kinds": {"a": a["ranking"]["kinds"][:3], "b": b["ranking"]["kinds"][:3]}}
+
+
+def run(cfg: ml_collections.ConfigDict, out_dir: str | None = None, progress: bool = True) -> dict:
+  """Loads `sensitivity.model`, samples the tokens, sweeps, builds the recipe; writes `out_dir`."""
+  from opdjax.loop import load_model, make_task  # loop imports the whole training stack
+
+  settings = Settings.from_config(cfg.sensitivity)
+  t0 = time.time()
+  task = make_task(cfg)
+  model, params = load_model(settings.model, cfg, task)
+  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)  # fake quant returns fp32
+  prompts = task.eval_set()[0][: settings.num_prompts]
+  sampling = sampling_params(cfg)
+  batch = sample_tokens(model, params, prompts, sampling, settings.seed, cfg.rollout.max_len, task.pad_id,
+                        task.eos_ids)
+  scorer = Scorer(model, params, batch, sampling, chunk=cfg.loss.chunk)
+  results = analyse(model, params, scorer, settings, progress)
+  results["model"]["role"] = settings.model
+  results["model"]["path"] = cfg[settings.model].path or f"demo {settings.model} (cached SFT model)"
+  results["sampling"] = dataclasses.asdict(sampling)
+  results["seconds"] = round(time.time() - t0, 1)
+  if out_dir:
+    results["files"] = write_outputs(results, out_dir)
+  return results
+
+
+# --- outputs -----------------------------------------------------------------------------------
+
+def _short(p: str) -> str:
+  return p.replace(":channel", "")
+
+
+def tables(results: dict) -> str:
+  """The markdown report: per-layer and per-kind KLs, the recipe against its baselines."""
+  points = results["settings"]["perturbations"]
+  fmt = results["recipe"]["format"]
+  pos = {i: r for r, i in enumerate(results["ranking"]["layers"])}
+  layer_rows = [{"layer": r["layer"], **{_short(p): r[p] for p in points},
+                 f"rank ({_short(fmt)})": pos[r["layer"]] + 1} for r in results["layers"]]
+  kind_pos = {k: r for r, k in enumerate(results["ranking"]["kinds"])}
+  kind_rows = [{"kind": r["kind"], **{_short(p): r[p] for p in points},
+                f"rank ({_short(fmt)})": kind_pos[r["kind"]] + 1} for r in results["kinds"]]
+  rec, base = results["recipe"], results["baselines"]
+  k = rec["k"]
+  cmp_rows = [
+      {"recipe": f"sensitivity (k={k})", "bf16 layers": " ".join(map(str, rec["bf16_layers"])) or "-",
+       "exact KL": rec["measured_kl"]},
+      {"recipe": f"edge layers (k={k})", "bf16 layers": " ".join(map(str, base["edge"]["bf16_layers"])) or "-",
+       "exact KL": base["edge"]["kl"]},
+      {"recipe": f"random (k={k}, mean of {len(base['random']['kls'])})", "bf16 layers": "-",
+       "exact KL": base["random"]["kl"]},
+      {"recipe": "all layers quantized (k=0)", "bf16 layers": "-", "exact KL": rec["kl_all_quantized"]},
+      {"recipe": "all layers bf16", "bf16 layers": "all", "exact KL": rec["kl_all_bf16"]},
+  ]
+  m = results["model"]
+  return "\n\n".join([
+      f"# Layer sensitivity: {m.get('path', '')} ({m['model_type']}, {m['num_layers']} layers)",
+      f"Exact KL(perturbed || clean) per completion token, {results['num_tokens']} tokens of"
+      f" {results['num_sequences']} sequences sampled by the clean model; clean floor {results['kl_clean']:.3g}.",
+      "## Per layer (all matrices of one layer)", reporting.markdown_table(layer_rows),
+      "## Per module kind (that projection in every layer)", reporting.markdown_table(kind_rows),
+      f"## Recipe ({fmt}; target KL {rec['target_kl']:.4g}{' = half of k=0' if rec['target_auto'] else ''},"
+      f" {'met' if rec['target_met'] else 'NOT met'})",
+      reporting.markdown_table(cmp_rows),
+      f"Weights: {rec['weight_mib']:.2f} MiB (all bf16: {base['all_bf16_mib']:.2f} MiB). Engine view:\n\n"
+      f"    {rec['engine_view']}",
+      "## KL against the number k of bf16 layers", reporting.markdown_table(results["curve"]),
+  ]) + "\n"
+
+
+def _plot_sweep(results: dict, path: str) -> str:
+  points = results["settings"]["perturbations"]
+  n = results["model"]["num_layers"]
+  fig, axes = reporting.figure(len(points), 2, figsize=(10, 1.6 + 1.4 * len(points)), squeeze=False,
+                               gridspec_kw={"width_ratios": [max(n, 4), len(results["kinds"])]})
+  kinds = [r["kind"] for r in results["kinds"]]
+  for row, p in enumerate(points):
+    a, b = axes[row]
+    a.bar(range(n), [r[p] for r in results["layers"]], color=f"C{row}")
+    a.set_ylabel(f"KL, {_short(p)}", fontsize=8)
+    b.bar(range(len(kinds)), [r[p] for r in results["kinds"]], color=f"C{row}")
+    for ax in (a, b):
+      ax.tick_params(labelsize=7)
+      ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    a.set_xticks(range(n) if n <= 32 else range(0, n, 4))
+    b.set_xticks(range(len(kinds)))
+    b.set_xticklabels(kinds if row == len(points) - 1 else [], rotation=60, ha="right", fontsize=7)
+  axes[-1][0].set_xlabel("layer (one layer perturbed)")
+  axes[0][0].set_title("one layer perturbed", fontsize=9)
+  axes[0][1].set_title("one module kind perturbed (all layers)", fontsize=9)
+  fig.suptitle(f"{results['model'].get('path', '')}: exact KL(perturbed || clean)", fontsize=10)
+  return reporting.save_figure(fig, path)
+
+
+def _plot_recipe(results: dict, path: str) -> str:
+  rec, base, curve = results["recipe"], results["baselines"], results["curve"]
+  fig, ax = reporting.figure(figsize=(6, 3.4))
+  ks = [r["k"] for r in curve]
+  ax.plot(ks, [r["sensitivity_kl"] for r in curve], "o-", ms=3, label="most sensitive layers in bf16")
+  ax.plot(ks, [r["edge_kl"] for r in curve], "s--", ms=3, label="edge layers in bf16 (common practice)")
+  kls = base["random"]["kls"]
+  ax.errorbar([rec["k"]], [np.mean(kls)], yerr=[[np.mean(kls) - min(kls)], [max(kls) - np.mean(kls)]], fmt="^",
+              color="C2", label=f"random {rec['k']} layers (mean, range)")
+  ax.axhline(rec["target_kl"], color="gray", lw=0.8, ls=":", label="target")
+  ax.axvline(rec["k"], color="gray", lw=0.5)
+  ax.set_yscale("log")
+  ax.xaxis.get_major_locator().set_params(integer=True)
+  ax.set_xlabel(f"k layers kept in bf16 (the rest {_short(rec['format'])})")
+  ax.set_ylabel("exact KL")
+  ax.set_title(f"{results['model'].get('path', '')}: recipe KL vs memory", fontsize=9)
+  ax.legend(fontsize=7)
+  return reporting.save_figure(fig, path)
+
+
+def write_outputs(results: dict, out_dir: str) -> list[str]:
+  """sensitivity.{json,csv,md}, recipe_curve.csv, recipe.json, recipe_view.txt and two PNGs."""
+  j = functools.partial(os.path.join, out_dir)
+  rows = []
+  for scope, key, entries in (("layer", "layer", results["layers"]), ("kind", "kind", results["kinds"])):
+    for p in results["settings"]["perturbations"]:
+      order = rank([r[p] for r in entries])
+      pos = {i: r for r, i in enumerate(order)}
+      rows += [{"scope": scope, "name": r[key], "perturbation": p, "exact_kl": r[p], "rank": pos[i] + 1}
+               for i, r in enumerate(entries)]
+  rec = results["recipe"]
+  recipe = {**{k: rec[k] for k in ("engine_view", "weights", "target_kl", "measured_kl", "target_met", "bf16_layers",
+                                   "format", "k", "weight_mib")},
+            "recipe": rec["rows"], "model": results["model"],
+            "same_memory": {"edge_kl": results["baselines"]["edge"]["kl"],
+                            "random_kl": results["baselines"]["random"]["kl"]}}
+  files = [
+      reporting.write_json(j("sensitivity.json"), {k: v for k, v in results.items() if k != "files"}),
+      reporting.write_csv(j("sensitivity.csv"), rows),
+      reporting.write_csv(j("recipe_curve.csv"), results["curve"]),
+      reporting.write_text(j("sensitivity.md"), tables(results)),
+      reporting.write_json(j("recipe.json"), recipe),
+      reporting.write_text(j("recipe_view.txt"), rec["engine_view"] + "\n"),
+      _plot_sweep(results, j("sensitivity.png")),
+      _plot_recipe(results, j("sensitivity_recipe.png")),
+  ]
+  return files
+
+
+def report(results: dict) -> str:
+  """A few lines for the terminal: the rankings and the recipe against its same-memory baselines."""
+  rec, base = results["recipe"], results["baselines"]
+  fmt = _short(rec["format"])
+  by_layer = {r["layer"]: r for r in results["layers"]}
+  top = ", ".join(f"{i} ({by_layer[i][rec['format']]:.3g})" for i in results["ranking"]["layers"][:5])
+  lines = [
+      f"sensitivity of the {results['model'].get('role', 'model')} ({results['model']['model_type']},"
+      f" {results['model']['num_layers']} layers) on {results['num_tokens']} sampled tokens:",
+      f"  most sensitive layers under {fmt}: {top}",
+      f"  module kinds, most sensitive first: {', '.join(results['ranking']['kinds'])}",
+      f"  recipe: {rec['k']} layer(s) in bf16 {rec['bf16_layers']} -> exact KL {rec['measured_kl']:.4g}"
+      f" (target {rec['target_kl']:.4g}, {'met' if rec['target_met'] else 'NOT met'}; all quantized"
+      f" {rec['kl_all_quantized']:.4g})",
+      f"  same memory: edge layers {base['edge']['bf16_layers']} {base['edge']['kl']:.4g}, random"
+      f" {base['random']['kl']:.4g} (mean of {len(base['random']['kls'])})",
+      f"  engine view: {rec['engine_view']}",
+  ]
+  if results.get("files"):
+    lines.append(f"  wrote {', '.join(os.path.basename(f) for f in results['files'])} to"
+                 f" {os.path.dirname(results['files'][0])}")
+  return "\n".join(lines)
