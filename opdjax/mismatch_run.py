@@ -113,12 +113,18 @@ def warmup_history(cfg, task, student, student_params, teacher, teacher_params, 
   return state, history
 
 
-def run(cfg: ml_collections.ConfigDict, out_dir: str | None = None, progress: bool = True) -> dict:
-  views = [EngineView.parse(s) for s in cfg.mismatch.sources.split(";")]
+def parse_views(spec: str, warmup_steps: int, section: str) -> tuple[list[EngineView], int]:
+  """';'-separated engine views and their largest lag, which the warmup must cover."""
+  views = [EngineView.parse(s) for s in spec.split(";")]
   max_lag = max(v.lag for v in views)
-  if cfg.mismatch.warmup_steps < max_lag:
-    raise UserError(f"a view asks for lag {max_lag} but mismatch.warmup_steps={cfg.mismatch.warmup_steps};"
+  if warmup_steps < max_lag:
+    raise UserError(f"a view asks for lag {max_lag} but {section}.warmup_steps={warmup_steps};"
                     f" raise warmup_steps to at least {max_lag}.")
+  return views, max_lag
+
+
+def run(cfg: ml_collections.ConfigDict, out_dir: str | None = None, progress: bool = True) -> dict:
+  views, max_lag = parse_views(cfg.mismatch.sources, cfg.mismatch.warmup_steps, "mismatch")
   task = make_task(cfg)
   teacher, teacher_params = load_model("teacher", cfg, task)
   student, student_params = load_model("student", cfg, task)

@@ -39,11 +39,10 @@ import numpy as np
 from tqdm import tqdm
 
 from opdjax import reporting
-from opdjax.errors import UserError
 from opdjax.loop import load_model, make_task
 from opdjax.loss import LossConfig
 from opdjax.mismatch import EngineView, ViewTransform
-from opdjax.mismatch_run import sampling_params, warmup_history
+from opdjax.mismatch_run import parse_views, sampling_params, warmup_history
 from opdjax.models.decoder import Model
 from opdjax.perturb import ParamsHistory
 from opdjax.rollout import JaxEngine, SamplingParams
@@ -275,11 +274,7 @@ def family(view: EngineView) -> tuple[str, float | str]:
 
 def run(cfg: ml_collections.ConfigDict, out_dir: str | None = None, progress: bool = True) -> dict:
   pc = cfg.prefix_shift
-  views = [EngineView.parse(s) for s in pc.views.split(";")]
-  max_lag = max(v.lag for v in views)
-  if pc.warmup_steps < max_lag:
-    raise UserError(f"a view asks for lag {max_lag} but prefix_shift.warmup_steps={pc.warmup_steps};"
-                    f" raise warmup_steps to at least {max_lag}.")
+  views, max_lag = parse_views(pc.views, pc.warmup_steps, "prefix_shift")
   task = make_task(cfg)
   teacher, teacher_params = load_model("teacher", cfg, task)
   student, student_params = load_model("student", cfg, task)
