@@ -125,13 +125,16 @@ class Runner:
     if batch_size % group:
       raise UserError(f"rollout.batch_size={batch_size} is not a multiple of grpo.group_size={group}.")
     records = [{"step": 0, **self.evaluate(state.params)}]
+    step_metrics = []
     t0 = time.time()
     bar = tqdm(range(self.steps), desc=desc or f"{algo} {view} seed {seed}", unit="step", leave=False,
                disable=not self.progress)
     for step in bar:
       prompts, refs = self.task.train_batch(np.random.default_rng([self.cfg.seed, seed, step]), batch_size // group)
-      history.push(step, state.params)
-      version, params = history.lagged(view.lag)
+      version, params = step, state.params
+      if view.lag:  # the history copies params (the step donates them)
+        history.push(step, state.params)
+        version, params = history.lagged(view.lag)
       engine.set_params(self.engine_params(view, params, version, seed), version)
       if algo == "grpo":
         from opdjax import grpo
@@ -148,13 +151,15 @@ class Runner:
         adv = grpo.group_advantages(jnp.asarray(r), group, self.cfg.grpo.normalize_std)
         state, m = step_fn(state, batch, adv)
         score = float(r.mean())
-      rec.update({k: float(v) for k, v in m.items()})
+      step_metrics.append(m)  # read to the host after the run: no sync per step
       if score is not None:
         rec["train_accuracy"] = score
       if (step + 1) % self.eval_every == 0 or step + 1 == self.steps:
         rec.update(self.evaluate(state.params))
       rec["elapsed_s"] = round(time.time() - t0, 3)
       records.append(rec)
+    for rec, m in zip(records[1:], jax.device_get(step_metrics)):
+      rec.update({k: float(v) for k, v in m.items()})
     return records
 
 
