@@ -117,3 +117,22 @@ def script():
     return module
 
   return load
+
+
+@pytest.fixture(scope="session")
+def check_eos_stop():
+  """`check(rollout, base, eos, pad)`: every row of `rollout` equals the EOS-free greedy `base` row up
+  to and including its first `eos`, and is masked, PAD and zero log-prob after it. Returns the mask."""
+
+  def check(r, base, eos, pad):
+    n = base.shape[1]
+    tokens, mask, lps = (np.asarray(x) for x in (r.completion_tokens, r.completion_mask, r.rollout_logprobs))
+    for i, row in enumerate(base):
+      hits = np.flatnonzero(row == eos)
+      end = hits[0] + 1 if hits.size else n  # the mask covers the EOS token itself
+      assert mask[i].tolist() == [True] * end + [False] * (n - end)
+      np.testing.assert_array_equal(tokens[i, :end], row[:end])
+      assert np.all(tokens[i, end:] == pad) and np.all(lps[i, end:] == 0)
+    return mask
+
+  return check

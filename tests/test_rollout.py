@@ -125,21 +125,15 @@ def test_greedy_is_argmax_of_the_model(greedy, params, logits_fn):
   np.testing.assert_array_equal(np.asarray(greedy.completion_tokens), logits.argmax(-1))
 
 
-def test_eos_stops_a_row(model, params, greedy, score):
+def test_eos_stops_a_row(model, params, greedy, score, check_eos_stop):
   base = np.asarray(greedy.completion_tokens)
   # EOS := the first token of row 0 that row 0 has not emitted before, after step 0.
   stop = next(j for j in range(1, N_NEW - 1) if base[0, j] not in base[0, :j])
   eos = int(base[0, stop])
   r = JaxEngine(model, params, max_len=MAX_LEN, pad_id=PAD, eos_ids=(eos,)).generate(PROMPTS, GREEDY, seed=0)
-  tokens, mask, lps = (np.asarray(x) for x in (r.completion_tokens, r.completion_mask, r.rollout_logprobs))
-  for i, row in enumerate(base):
-    hits = np.flatnonzero(row == eos)
-    end = hits[0] + 1 if hits.size else N_NEW  # the mask covers the EOS token itself
-    assert mask[i].tolist() == [True] * end + [False] * (N_NEW - end)
-    np.testing.assert_array_equal(tokens[i, :end], row[:end])
-    assert np.all(tokens[i, end:] == PAD) and np.all(lps[i, end:] == 0)
+  mask = check_eos_stop(r, base, eos, PAD)
   assert mask[0].sum() == stop + 1 < N_NEW
-  np.testing.assert_allclose(lps[mask], score(params, r)[mask], atol=1e-4)
+  np.testing.assert_allclose(np.asarray(r.rollout_logprobs)[mask], score(params, r)[mask], atol=1e-4)
 
 
 def test_top_k_1_is_greedy(engine, greedy):

@@ -221,20 +221,14 @@ def test_weight_sync_changes_outputs_and_matches_the_new_params(engine, params, 
 
 
 @pytest.mark.vllm
-def test_eos_stops_a_row_and_is_kept(server, engine, model, params, score):
+def test_eos_stops_a_row_and_is_kept(server, engine, model, params, score, check_eos_stop):
   engine.set_params(params[0], 0)
   base = np.asarray(engine.generate(PROMPTS, GREEDY, seed=0).completion_tokens)
   stop = next(j for j in range(1, N_NEW - 1) if base[0, j] not in base[0, :j])
   eos = int(base[0, stop])
   with VllmEngine(server, model.cfg, pad_id=PAD, eos_ids=(eos,)) as eos_engine:
     r = eos_engine.generate(PROMPTS, GREEDY, seed=0)
-  tokens, mask, lps = (np.asarray(x) for x in (r.completion_tokens, r.completion_mask, r.rollout_logprobs))
-  for i, row in enumerate(base):
-    hits = np.flatnonzero(row == eos)
-    end = hits[0] + 1 if hits.size else N_NEW  # the mask covers the EOS token itself
-    assert mask[i].tolist() == [True] * end + [False] * (N_NEW - end)
-    np.testing.assert_array_equal(tokens[i, :end], row[:end])
-    assert np.all(tokens[i, end:] == PAD) and np.all(lps[i, end:] == 0)
+  mask = check_eos_stop(r, base, eos, PAD)
   assert mask[0].sum() == stop + 1 < N_NEW
   assert max_abs_diff(r, score(params[0], r)) <= 1e-4
 
