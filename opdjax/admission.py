@@ -36,7 +36,7 @@ from opdjax import reporting
 from opdjax.checkpoint import package_versions
 from opdjax.errors import UserError
 from opdjax.mismatch import EngineView
-from opdjax.mismatch_run import Measurer, warmup_history
+from opdjax.mismatch_run import Measurer, parse_views, warmup_history
 from opdjax.perturb import QuantFormat
 from opdjax.sweep import Runner, final_quality
 
@@ -44,10 +44,9 @@ BUDGET_FORMAT = 1
 QUALITY = {"reverse_kl": +1, "accuracy": -1}  # sign of "worse" (reverse KL up, accuracy down)
 
 
-def parse_views(spec: str, what: str = "calibrate.views") -> list[EngineView]:
-  views = [EngineView.parse(s) for s in spec.split(";")]
+def require_clean(views: list[EngineView], what: str) -> list[EngineView]:
   if EngineView() not in views:
-    raise UserError(f"{what}={spec!r} has no 'clean' view: quality is compared against the clean engine.")
+    raise UserError(f"{what} has no 'clean' view: quality is compared against the clean engine.")
   return views
 
 
@@ -86,9 +85,8 @@ class Calibration:
   """The measurement protocol shared by `calibrate` and `admit`."""
 
   def __init__(self, runner: Runner, warmup_steps: int, num_prompts: int, seed: int, max_lag: int):
+    """`max_lag <= warmup_steps`, checked by the caller where the views arrive."""
     cfg = runner.cfg
-    if warmup_steps < max_lag:
-      raise UserError(f"a view asks for lag {max_lag} but warmup_steps={warmup_steps}; raise it to >= {max_lag}.")
     self.protocol = {"warmup_steps": warmup_steps, "num_prompts": num_prompts, "seed": seed}
     self.state, self.history = warmup_history(cfg, runner.task, runner.student, runner.student_params,
                                               runner.teacher, runner.teacher_params, warmup_steps, max_lag)
@@ -97,12 +95,16 @@ class Calibration:
     self.seed = seed
 
   def kl_tokens(self, view: EngineView):
-    if view.lag >= len(self.history):
-      raise UserError(f"{view}: lag {view.lag} needs warmup_steps >= {view.lag} in the calibration protocol.")
     return self.measurer.exact_kl_tokens(view, self.history, self.state.params, self.prompts, self.seed)
 
 
 # --- calibrate ---------------------------------------------------------------------------------
+
+def judge(quality: dict[str, list[float]], clean: dict[str, list[float]], fit: dict) -> tuple[dict, bool]:
+  """(quality loss per metric of seed medians against clean, within the fit's tolerance on every metric)."""
+  loss = {m: float(QUALITY[m] * (np.median(quality[m]) - np.median(clean[m]))) for m in fit["metrics"]}
+  return loss, all(loss[m] <= fit["tolerance"][m] for m in fit["metrics"])
+
 
 def fit_budget(points: list[dict], seeds: int, tolerance_sigmas: float, tolerance_rel: float) -> dict:
   """Marks each point pass/fail against the clean one and returns the fit (see the module doc)."""
@@ -115,8 +117,7 @@ def fit_budget(points: list[dict], seeds: int, tolerance_sigmas: float, toleranc
     fit["clean_std"][m] = s
     fit["tolerance"][m] = max(tolerance_sigmas * s * np.sqrt(2.0 / seeds), tolerance_rel * abs(np.median(clean[m])))
   for p in points:
-    p["quality_loss"] = {m: float(QUALITY[m] * (np.median(p[m]) - np.median(clean[m]))) for m in metrics}
-    p["pass"] = all(p["quality_loss"][m] <= fit["tolerance"][m] for m in metrics)
+    p["quality_loss"], p["pass"] = judge(p, clean, fit)
   failing = [p["mismatch"] for p in points if not p["pass"]]
   limit = min(failing) if failing else float("inf")
   passing = [p["mismatch"] for p in points if p["pass"] and p["mismatch"] < limit]
@@ -128,7 +129,8 @@ def fit_budget(points: list[dict], seeds: int, tolerance_sigmas: float, toleranc
 
 def calibrate(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True) -> dict:
   c = cfg.calibrate
-  views = parse_views(c.views)
+  views, max_lag = parse_views(c.views, c.warmup_steps, "calibrate")
+  require_clean(views, f"calibrate.views={c.views!r}")
   check_admit_config(cfg)  # the bootstrap of each point's interval
   if c.seeds < 2:
     raise UserError(f"calibrate.seeds={c.seeds}: the tolerance needs the seed variance; use at least 2 seeds.")
@@ -137,7 +139,7 @@ def calibrate(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = Tru
     raise FileExistsError(f"{path} exists; pass a new --out folder (nothing was overwritten).")
   t0 = time.time()
   runner = Runner(cfg, c.steps, c.eval_every, progress)
-  cal = Calibration(runner, c.warmup_steps, c.num_prompts, c.seed, max(v.lag for v in views))
+  cal = Calibration(runner, c.warmup_steps, c.num_prompts, c.seed, max_lag)
   points, curves = [], {}
   for view in tqdm(views, desc="calibrate views", disable=not progress):
     kl, mask = cal.kl_tokens(view)

@@ -26,7 +26,7 @@ from opdjax.mismatch import EngineView, exact_kl
 from opdjax.models import Model, ModelConfig, load_hf_params, save_hf_params
 from opdjax.models.fetch import resolve
 from opdjax.perturb import ParamsHistory
-from opdjax.rollout import JaxEngine, SamplingParams
+from opdjax.rollout import JaxEngine, Rollout, SamplingParams
 from opdjax.scoring import batch_from_rollout, masked_mean
 from opdjax.tasks.addition import AdditionTask
 from opdjax.tasks.prompts import PromptsTask
@@ -45,6 +45,31 @@ def make_task(cfg: ml_collections.ConfigDict):
     return PromptsTask(path, resolve(cfg.teacher.path), cfg.task.num_eval, cfg.task.chat_template,
                        cfg.rollout.max_len - cfg.rollout.max_new_tokens)
   raise UserError(f"task.name={cfg.task.name!r}: choose 'addition' or 'prompts'.")
+
+
+class HeldOut:
+  """Held-out quality of a student: reverse KL to the teacher on the student's own samples (full
+  vocabulary), and the verifier's score of its greedy answers; one compiled loss and one engine."""
+
+  def __init__(self, student: Model, teacher: Model, task, sampling: SamplingParams, chunk: int, seed: int,
+               engine_kw: dict):
+    self.loss = jax.jit(functools.partial(opd_loss, student=student, teacher=teacher,
+                                          loss_cfg=LossConfig(kind="full_rkl", chunk=chunk)))
+    self.engine = JaxEngine(student, None, **engine_kw)
+    self.prompts, self.refs = task.eval_set()
+    self.task, self.sampling, self.seed = task, sampling, seed
+    self.greedy = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
+
+  def __call__(self, params, teacher_params, version: int = 0) -> tuple[dict, Rollout]:
+    """(metrics, the sampled held-out rollout)."""
+    self.engine.set_params(params, version)
+    r = self.engine.generate(self.prompts, self.sampling, seed=self.seed)
+    _, m = self.loss(params, teacher_params, batch_from_rollout(r))
+    out = {"reverse_kl": float(m["reverse_kl"])}
+    acc = self.task.score(self.refs, self.engine.generate(self.prompts, self.greedy, seed=0).completions())
+    if acc is not None:
+      out["accuracy"] = acc
+    return out, r
 
 
 def prune_layers(model_cfg: ModelConfig, params, keep: str):
@@ -150,8 +175,6 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True, res
   optimizer = make_optimizer(optim_cfg)
   step_fn = make_train_step(student, teacher, loss_cfg, optimizer,  # checks the vocabularies match
                             skip_nonfinite=cfg.train.on_nonfinite == "skip")
-  eval_fn = jax.jit(functools.partial(opd_loss, student=student, teacher=teacher,
-                                      loss_cfg=LossConfig(kind="full_rkl", chunk=loss_cfg.chunk)))
 
   state = TrainState.create(student_params, optimizer)
   view = EngineView.parse(cfg.rollout.view)
@@ -180,21 +203,12 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True, res
       params = view_transform(params, version)
     return params, version
 
-  eval_engine = JaxEngine(student, state.params, **engine_kw)
-  eval_prompts, eval_refs = task.eval_set()
-  greedy = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
+  held_out = HeldOut(student, teacher, task, sampling, loss_cfg.chunk, cfg.seed + 7, engine_kw)
 
   def evaluate(params, version):
-    """Held-out reverse KL on the student's own samples, and the verifier's score of greedy answers."""
-    eval_engine.set_params(params, version)
-    r = eval_engine.generate(eval_prompts, sampling, seed=cfg.seed + 7)
-    _, m = eval_fn(params, teacher_params, batch_from_rollout(r))
-    out = {"reverse_kl": float(m["reverse_kl"])}
+    out, r = held_out(params, teacher_params, version)
     if teacher is not clean_teacher:  # the scoring teacher's own mismatch, on the same scale
       out["teacher_mismatch_exact_kl"] = float(teacher_kl(teacher_params, clean_teacher_params, batch_from_rollout(r)))
-    acc = task.score(eval_refs, eval_engine.generate(eval_prompts, greedy, seed=0).completions())
-    if acc is not None:
-      out["accuracy"] = acc
     return out
 
   def postfix(ev):

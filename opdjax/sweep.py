@@ -10,7 +10,6 @@ run seed picks the training prompts, the sampling stream and the noise.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -21,13 +20,13 @@ from tqdm import tqdm
 
 from opdjax import perturb
 from opdjax.errors import UserError
-from opdjax.loop import load_model, make_task
+from opdjax.loop import HeldOut, load_model, make_task
 from opdjax.loss import LossConfig
 from opdjax.mismatch import EngineView, ViewTransform
 from opdjax.mismatch_run import sampling_params
-from opdjax.rollout import JaxEngine, SamplingParams
+from opdjax.rollout import JaxEngine
 from opdjax.scoring import batch_from_rollout
-from opdjax.train import OptimConfig, TrainState, make_optimizer, make_train_step, opd_loss
+from opdjax.train import OptimConfig, TrainState, make_optimizer, make_train_step
 
 ALGOS = ("opd", "grpo")
 
@@ -44,10 +43,8 @@ class Runner:
     self._optimizers: dict[str, object] = {}
     self._engines: dict = {}
     self._views = ViewTransform(self.student.cfg.num_layers)
-    self._eval_loss = jax.jit(functools.partial(opd_loss, student=self.student, teacher=self.teacher,
-                                                loss_cfg=LossConfig(kind="full_rkl", chunk=cfg.loss.chunk)))
-    self._eval_engine = JaxEngine(self.student, None, **self.engine_kw)
-    self._eval_prompts, self._eval_refs = self.task.eval_set()
+    self._held_out = HeldOut(self.student, self.teacher, self.task, self.sampling, cfg.loss.chunk, cfg.seed + 7,
+                             self.engine_kw)
 
   # --- compiled pieces, built on first use and reused by every run ---
 
@@ -94,22 +91,13 @@ class Runner:
     """How many times each jitted function compiled (tests check sweeps do not add to these)."""
     out = {f"step_{k}": f._cache_size() for k, f in self._steps.items()}
     out.update(self._views.compiled())
-    out["eval_loss"] = self._eval_loss._cache_size()
+    out["eval_loss"] = self._held_out.loss._cache_size()
     return out
 
   # --- evaluation and runs ---
 
   def evaluate(self, params) -> dict[str, float]:
-    """Held-out reverse KL on the student's own samples and the verifier's score of greedy answers."""
-    self._eval_engine.set_params(params, 0)
-    r = self._eval_engine.generate(self._eval_prompts, self.sampling, seed=self.cfg.seed + 7)
-    _, m = self._eval_loss(params, self.teacher_params, batch_from_rollout(r))
-    out = {"reverse_kl": float(m["reverse_kl"])}
-    greedy = SamplingParams(max_new_tokens=self.sampling.max_new_tokens, temperature=0.0)
-    acc = self.task.score(self._eval_refs, self._eval_engine.generate(self._eval_prompts, greedy).completions())
-    if acc is not None:
-      out["accuracy"] = acc
-    return out
+    return self._held_out(params, self.teacher_params)[0]
 
   def train(self, view: EngineView, seed: int, algo: str = "opd", desc: str = "") -> list[dict]:
     """One run of `self.steps` steps with rollouts from `view`; a record per step (held-out

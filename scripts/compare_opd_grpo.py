@@ -21,6 +21,7 @@ from opdjax import admission, reporting
 from opdjax.cli import _split_overrides
 from opdjax.configlib import apply_overrides, load_config_file
 from opdjax.demo import default_config
+from opdjax.mismatch import EngineView
 from opdjax.sweep import Runner, stability
 
 VIEWS = "clean;noise_sigma=0.2;noise_sigma=0.8;lag=4;lag=32"
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
   args, extra = ap.parse_known_args(argv)
   base = load_config_file(args.config) if args.config else default_config()
   cfg = apply_overrides(base, _split_overrides(DEFAULTS + extra))
-  views = admission.parse_views(args.views, what="--views")
+  views = admission.require_clean([EngineView.parse(v) for v in args.views.split(";")], f"--views={args.views!r}")
   runner = Runner(cfg, args.steps, args.eval_every)
   algos = args.algos.split(",")
   runs, rows = {}, []
