@@ -97,9 +97,9 @@ def jax_side(args, spec) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from opdjax.loss import LossConfig
   from opdjax.models import Model, save_hf_params
-  from opdjax.train import OptimConfig, TrainState, make_optimizer, make_train_step
+  from opdjax.training.loss import LossConfig
+  from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
 
   gpu = args.mode == "gpu"
   if gpu and jax.default_backend() != "gpu":
@@ -235,9 +235,9 @@ def dry_run(args, spec) -> None:
   import jax
   import jax.numpy as jnp
 
-  from opdjax.loss import LossConfig
   from opdjax.models import Model
-  from opdjax.train import OptimConfig, TrainState, make_optimizer, make_train_step
+  from opdjax.training.loss import LossConfig
+  from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
 
   scfg, tcfg = model_config(spec["student"], spec), model_config(spec["teacher"], spec)
   student, teacher = Model(scfg, remat=True), Model(tcfg)

@@ -1,6 +1,6 @@
 """The offline CPU demo (what `opdjax demo` runs): full-vocabulary reverse KL."""
 
-from opdjax.demo import default_config
+from opdjax.config.defaults import default_config
 
 
 def get_config():

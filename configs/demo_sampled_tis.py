@@ -1,6 +1,6 @@
 """Demo task with the sampled-token OPD estimator and truncated importance sampling."""
 
-from opdjax.demo import default_config
+from opdjax.config.defaults import default_config
 
 
 def get_config():

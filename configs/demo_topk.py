@@ -1,6 +1,6 @@
 """Demo task with reverse KL over the teacher's top-k support plus a tail bucket."""
 
-from opdjax.demo import default_config
+from opdjax.config.defaults import default_config
 
 
 def get_config():

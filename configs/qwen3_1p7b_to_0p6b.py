@@ -6,7 +6,7 @@ Give the local HF folders and prompts on the command line (nothing is downloaded
     --config.task.path=prompts.jsonl
 """
 
-from opdjax.demo import default_config
+from opdjax.config.defaults import default_config
 
 
 def get_config():

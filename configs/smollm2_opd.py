@@ -7,7 +7,7 @@ is the same model with 15 of its 30 layers kept. Prompts are the 64 short questi
 opdjax/data/chat_prompts.jsonl, through the model's chat template.
 """
 
-from opdjax.demo import default_config
+from opdjax.config.defaults import default_config
 
 
 def get_config():

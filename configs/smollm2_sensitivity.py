@@ -9,7 +9,7 @@ forwards, a few minutes on 2 idle CPU cores. See docs/sensitivity.md.
 
 import os
 
-from opdjax.configlib import load_config_file
+from opdjax.config.loader import load_config_file
 
 
 def get_config():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from opdjax.configlib import ConfigError, apply_overrides, load_config_file
+from opdjax.config.loader import ConfigError, apply_overrides, load_config_file
 from opdjax.errors import UserError
 
 
@@ -31,9 +31,11 @@ def _summary(records: list[dict]) -> str:
 
 
 ANALYSES = {
-    "sensitivity": ("opdjax.sensitivity", "rank layers and module kinds by quantization/noise mismatch; FP8 recipe"),
-    "prefix-shift": ("opdjax.prefix_shift", "where perturbed engines' samples leave the clean ones, and what it costs"),
-    "calibrate": ("opdjax.admission", "short OPD runs across mismatch levels -> budget.json"),
+    "sensitivity": ("opdjax.analyses.sensitivity",
+                    "rank layers and module kinds by quantization/noise mismatch; FP8 recipe"),
+    "prefix-shift": ("opdjax.analyses.prefix_shift",
+                     "where perturbed engines' samples leave the clean ones, and what it costs"),
+    "calibrate": ("opdjax.analyses.admission", "short OPD runs across mismatch levels -> budget.json"),
 }
 
 
@@ -45,7 +47,7 @@ def _error(e: Exception) -> int:
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   if argv[:1] == ["kv-capacity"]:  # its own flags; no config
-    from opdjax import capacity
+    from opdjax.analyses import capacity
     try:
       return capacity.main(argv[1:])
     except UserError as e:
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
   if args.command == "export":
-    from opdjax.checkpoint import export as export_run
+    from opdjax.pipeline.checkpoint import export as export_run
     try:
       print(export_run(args.checkpoint, args.out, args.step))
     except (UserError, FileExistsError) as e:
@@ -110,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
       return 2
     return 0
 
-  from opdjax import demo as demo_lib  # heavy imports after argument parsing
-  from opdjax import loop
+  from opdjax.config import defaults as demo_lib  # heavy imports after argument parsing
+  from opdjax.pipeline import loop
 
   try:
     overrides = _split_overrides(extra)
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "admit":  # admit runs on the config stored in its budget.json
       cfg = apply_overrides(load_config_file(config_path) if config_path else demo_lib.default_config(), overrides)
     if args.command == "admit":
-      from opdjax import admission
+      from opdjax.analyses import admission
       print(admission.report(admission.admit(args.budget, args.candidates, args.out, overrides)))
       return 0
     if args.command in ANALYSES:
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
       print(module.report(run(cfg, args.out)))
       return 0
     if args.command == "mismatch":
-      from opdjax import mismatch_run
+      from opdjax.analyses import mismatch as mismatch_run
       print(mismatch_run.format_tables(mismatch_run.run(cfg, args.out)))
       return 0
     records = loop.run(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback)

@@ -5,7 +5,7 @@
 Both start from the demo's SFT student and use the same engines, perturbations, prompts per step
 (GRPO: rollout.batch_size completions in groups of grpo.group_size) and metrics. Per run:
 held-out reverse KL to the teacher and verifier accuracy curves, grad norms, collapse yes/no and
-grad-norm spikes (`opdjax.sweep.stability`). Writes OUT/compare.{json,md}, OUT/curves.png,
+grad-norm spikes (`opdjax.analyses.sweep.stability`). Writes OUT/compare.{json,md}, OUT/curves.png,
 OUT/grad_norm.png; docs/admission.md records the result.
 """
 
@@ -17,12 +17,12 @@ import sys
 
 import numpy as np
 
-from opdjax import admission, reporting
+from opdjax.analyses import admission, reporting
+from opdjax.analyses.sweep import Runner, stability
 from opdjax.cli import _split_overrides
-from opdjax.configlib import apply_overrides, load_config_file
-from opdjax.demo import default_config
-from opdjax.mismatch import EngineView
-from opdjax.sweep import Runner, stability
+from opdjax.config.defaults import default_config
+from opdjax.config.loader import apply_overrides, load_config_file
+from opdjax.views.view import EngineView
 
 VIEWS = "clean;noise_sigma=0.2;noise_sigma=0.8;lag=4;lag=32"
 # GRPO needs a start with some reward: the demo student after 400 SFT steps (greedy accuracy 0.24,

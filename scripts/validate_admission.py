@@ -20,11 +20,11 @@ import time
 import ml_collections
 import numpy as np
 
-from opdjax import admission, reporting
-from opdjax.configlib import apply_overrides, load_config_file
-from opdjax.demo import default_config
-from opdjax.mismatch import EngineView
-from opdjax.sweep import Runner, final_quality
+from opdjax.analyses import admission, reporting
+from opdjax.analyses.sweep import Runner, final_quality
+from opdjax.config.defaults import default_config
+from opdjax.config.loader import apply_overrides, load_config_file
+from opdjax.views.view import EngineView
 
 CANDIDATES = """\
 fp8: weights=fp8

@@ -92,7 +92,7 @@ def score(model):
   (uses the test module's `model` fixture)."""
   import functools
 
-  from opdjax.scoring import batch_from_rollout, token_logprobs
+  from opdjax.scoring.rescore import batch_from_rollout, token_logprobs
 
   fn = jax.jit(functools.partial(token_logprobs, model), static_argnames="temperature")
 

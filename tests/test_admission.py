@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from opdjax import admission
+from opdjax.analyses import admission
 from opdjax.cli import main
 from opdjax.errors import UserError
 

@@ -10,12 +10,13 @@ from fractions import Fraction
 import jax
 import pytest
 
-from opdjax import capacity, perturb
-from opdjax.capacity import GIB, capacity_for_view, kv_blocks, kv_bytes_per_token, weight_footprint
+from opdjax.analyses import capacity
+from opdjax.analyses.capacity import GIB, capacity_for_view, kv_blocks, kv_bytes_per_token, weight_footprint
 from opdjax.cli import main as cli_main
 from opdjax.errors import UserError
-from opdjax.mismatch import EngineView
 from opdjax.models import Model, ModelConfig
+from opdjax.views import perturb
+from opdjax.views.view import EngineView
 
 # 2 layers, 2 query heads sharing 1 KV head of 32, untied: small enough to count by hand.
 SHAPE = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,

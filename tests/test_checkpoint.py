@@ -112,8 +112,8 @@ def test_export_round_trips_through_transformers(reference, tmp_path):
   import torch
   import transformers
 
-  from opdjax.checkpoint import restore_student
   from opdjax.models import load_hf_params
+  from opdjax.pipeline.checkpoint import restore_student
 
   out = tmp_path / "hf"
   assert cli.main(["export", "--checkpoint", str(reference), "--out", str(out)]) == 0
@@ -137,12 +137,12 @@ def test_rescoring_a_rollout_after_resume_is_bit_exact(reference):
   """The checkpoint records params version, engine view and seeds: the rollout and its re-score come back."""
   import numpy as np
 
-  from opdjax.checkpoint import restore_student
-  from opdjax.mismatch import EngineView
   from opdjax.models import load_hf_params
+  from opdjax.pipeline.checkpoint import restore_student
   from opdjax.rollout import JaxEngine, SamplingParams
-  from opdjax.scoring import batch_from_rollout, token_logprobs
+  from opdjax.scoring.rescore import batch_from_rollout, token_logprobs
   from opdjax.tasks.addition import AdditionTask
+  from opdjax.views.view import EngineView
 
   model, params, meta = restore_student(str(reference))
   live = load_hf_params(str(reference / "student"))  # the params the finished run held in memory
@@ -165,7 +165,7 @@ import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from opdjax.checkpoint import RunCheckpointer
+from opdjax.pipeline.checkpoint import RunCheckpointer
 assert jax.device_count() == 4
 mesh = Mesh(np.array(jax.devices()), ("fsdp",))
 x = jnp.arange(64.0).reshape(16, 4)
@@ -192,7 +192,7 @@ def test_restore_into_other_shardings_on_four_host_devices(tmp_path):
 @pytest.mark.slow
 def test_full_disk_fails_loudly_and_keeps_earlier_checkpoints(demo_cache, tmp_path, capsys):
   """A real 1.5 MiB tmpfs: the run stops with an error, and the newest complete checkpoint restores."""
-  from opdjax.checkpoint import restore_student
+  from opdjax.pipeline.checkpoint import restore_student
 
   disk = tmp_path / "disk"
   disk.mkdir()

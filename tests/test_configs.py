@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from opdjax.configlib import ConfigError, apply_overrides, load_config_file
-from opdjax.loss import LossConfig
-from opdjax.train import OptimConfig
+from opdjax.config.loader import ConfigError, apply_overrides, load_config_file
+from opdjax.training.loss import LossConfig
+from opdjax.training.step import OptimConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))

@@ -48,7 +48,7 @@ def test_cli_unknown_key_is_clear(tmp_path, capsys):
 
 def test_vocab_mismatch_is_clear():
   from opdjax.models import Model, ModelConfig
-  from opdjax.train import check_compatible
+  from opdjax.training.step import check_compatible
   a = Model(ModelConfig("llama", 16, 8, 16, 1, 2, 2, 4))
   b = Model(ModelConfig("llama", 32, 8, 16, 1, 2, 2, 4))
   with pytest.raises(ValueError, match="vocab_size=16 != teacher vocab_size=32"):

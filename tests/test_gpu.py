@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opdjax.loss import LossConfig
 from opdjax.models import Model, ModelConfig
 from opdjax.rollout import JaxEngine, SamplingParams
-from opdjax.scoring import batch_from_rollout, token_logprobs
-from opdjax.train import OptimConfig, TrainState, make_optimizer, make_train_step
+from opdjax.scoring.rescore import batch_from_rollout, token_logprobs
+from opdjax.training.loss import LossConfig
+from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
 
 pytestmark = pytest.mark.gpu
 

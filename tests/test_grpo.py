@@ -7,7 +7,10 @@ import optax
 import pytest
 
 from opdjax.errors import UserError
-from opdjax.grpo import (
+from opdjax.models import Model, ModelConfig
+from opdjax.rollout import Rollout
+from opdjax.scoring.rescore import batch_from_rollout
+from opdjax.training.grpo import (
   GrpoConfig,
   group_advantages,
   grpo_loss,
@@ -16,10 +19,7 @@ from opdjax.grpo import (
   repeat_references,
   verifier_rewards,
 )
-from opdjax.models import Model, ModelConfig
-from opdjax.rollout import Rollout
-from opdjax.scoring import batch_from_rollout
-from opdjax.train import TrainState
+from opdjax.training.step import TrainState
 
 
 def _model(vocab=24, hidden=16):
@@ -285,7 +285,7 @@ def test_jitted_steps_raise_the_reward_skip_nonfinite_and_compile_once(random_pa
 
   rewards, grad_norms = [], []
   for i in range(8):
-    engine.set_params(state.params, i)
+    engine.sync(state.params, i)
     r = engine.generate(prompts, sampling, seed=i)
     reward = (np.asarray(r.completion_tokens[:, 0]) == target).astype(np.float32)
     old = state

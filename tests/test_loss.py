@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from opdjax.errors import UserError
-from opdjax.loss import IS_MODES, OBJECTIVES, LossConfig, importance_weights, per_token_terms
 from opdjax.models import Model, ModelConfig, positions_from_mask
-from opdjax.scoring import chunked_over_positions, masked_mean
-from opdjax.train import opd_loss
+from opdjax.scoring.rescore import chunked_over_positions, masked_mean
+from opdjax.training.loss import IS_MODES, OBJECTIVES, LossConfig, importance_weights, per_token_terms
+from opdjax.training.step import opd_loss
 
 B, T, V = 2, 3, 7
 MASK = np.array([[1, 1, 0], [1, 0, 1]], np.float32)
@@ -83,7 +83,7 @@ def central_diff(f, x, eps=1e-6):
   return g
 
 
-# --- the package's loss, reduced as in opdjax.train.opd_loss -----------------
+# --- the package's loss, reduced as in opdjax.training.step.opd_loss -----------------
 
 def jax_loss(zs, zt, y, mask, rollout_lp, cfg):
   terms = per_token_terms(zs, zt, y, cfg)

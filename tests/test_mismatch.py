@@ -5,12 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opdjax import perturb
 from opdjax.errors import UserError
-from opdjax.mismatch import EngineView, exact_kl, sampled_metrics
-from opdjax.models import Model, ModelConfig
+from opdjax.models import Model, ModelConfig, quant
 from opdjax.rollout import JaxEngine, SamplingParams
-from opdjax.scoring import batch_from_rollout, masked_mean, token_logprobs
+from opdjax.scoring.mismatch import exact_kl, sampled_metrics
+from opdjax.scoring.rescore import batch_from_rollout, masked_mean, token_logprobs
+from opdjax.views import perturb
+from opdjax.views.history import ParamsHistory
+from opdjax.views.view import EngineView
 
 
 def _model(layers=2):
@@ -74,9 +76,9 @@ def test_patterns_select_by_path_and_typos_are_errors():
   with pytest.raises(UserError, match="matches nothing"):
     perturb.match("layers.7.mlp.*", params)
   with pytest.raises(UserError, match="unknown weight format"):
-    perturb.QuantFormat.parse("fp6")
+    quant.QuantFormat.parse("fp6")
   with pytest.raises(UserError, match="granularity"):
-    perturb.QuantFormat.parse("fp8_e4m3:row")
+    quant.QuantFormat.parse("fp8_e4m3:row")
 
 
 def test_fake_quant_error_orders_and_granularity():
@@ -85,14 +87,14 @@ def test_fake_quant_error_orders_and_granularity():
   x = jnp.asarray(rng.normal(0, 1, (200, 130)) * np.logspace(-3, 1, 130))
 
   def err(spec):
-    return float(jnp.sqrt(jnp.mean((perturb.fake_quant(x, perturb.QuantFormat.parse(spec)) - x) ** 2)))
+    return float(jnp.sqrt(jnp.mean((quant.fake_quant(x, quant.QuantFormat.parse(spec)) - x) ** 2)))
 
   assert err("fp32") == 0
   assert 0 < err("bf16") < err("fp8_e4m3:channel") < err("fp8_e5m2:channel")
   assert err("fp8_e4m3:channel") < err("fp8_e4m3:tensor")
   assert err("int8:channel") < err("int8:tensor")
   assert err("fp8_e4m3:block") < err("fp8_e4m3:tensor")  # ragged 200x130 blocks included
-  q = perturb.fake_quant(x, perturb.QuantFormat.parse("fp8_e4m3:tensor"))
+  q = quant.fake_quant(x, quant.QuantFormat.parse("fp8_e4m3:tensor"))
   assert bool(jnp.all(jnp.isfinite(q)))
   # FP8 e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for values well inside the range.
   big = jnp.abs(x) > 0.1 * jnp.max(jnp.abs(x))
@@ -141,7 +143,7 @@ def test_noise_is_seeded_relative_and_selective():
 
 
 def test_params_history_gives_exact_lag():
-  h = perturb.ParamsHistory(3)
+  h = ParamsHistory(3)
   for v in range(5):
     h.push(v, {"w": jnp.full((2,), float(v))})
   assert h.versions == [2, 3, 4]
@@ -192,7 +194,7 @@ def test_mismatch_grows_with_strength():
   assert all(a < b for a, b in zip(precision, precision[1:])), precision
   assert kl("kv_quant=fp8_e4m3") < kl("kv_quant=fp8_e5m2")
   # Staleness: params k optimizer-like steps old (a fixed random walk of updates).
-  h = perturb.ParamsHistory(5)
+  h = ParamsHistory(5)
   p = params
   for v in range(5):
     h.push(v, p)
@@ -262,11 +264,11 @@ def test_packed_fp8_engine_matches_fake_quant_and_stores_fp8():
   model, params = _model()
   view = EngineView(weights="*>fp8_e4m3:channel")
   packed = view.transform(params, 2, pack=True)
-  qs = [x for x in jax.tree.leaves(packed, is_leaf=lambda x: isinstance(x, perturb.QArray))
-        if isinstance(x, perturb.QArray)]
+  qs = [x for x in jax.tree.leaves(packed, is_leaf=lambda x: isinstance(x, quant.QArray))
+        if isinstance(x, quant.QArray)]
   assert qs and all(x.q.dtype == jnp.float8_e4m3fn for x in qs)
   fake = view.transform(params, 2)
-  np.testing.assert_array_equal(perturb.unpack(packed)["layers_0"]["mlp"]["up_proj"]["kernel"],
+  np.testing.assert_array_equal(quant.unpack(packed)["layers_0"]["mlp"]["up_proj"]["kernel"],
                                 fake["layers_0"]["mlp"]["up_proj"]["kernel"])
   a = JaxEngine(model, packed, max_len=24, pad_id=0, eos_ids=()).generate(PROMPTS, SP, seed=5)
   b = JaxEngine(model, fake, max_len=24, pad_id=0, eos_ids=()).generate(PROMPTS, SP, seed=5)

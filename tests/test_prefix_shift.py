@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from opdjax import cli
-from opdjax.loss import LossConfig, per_token_terms
-from opdjax.mismatch import EngineView
+from opdjax.analyses.prefix_shift import PrefixShift, divergence_stats, first_divergence, shared_mask
 from opdjax.models import Model, ModelConfig
-from opdjax.perturb import ParamsHistory
-from opdjax.prefix_shift import PrefixShift, divergence_stats, first_divergence, shared_mask
 from opdjax.rollout import SamplingParams
 from opdjax.rollout.base import Rollout
-from opdjax.scoring import batch_from_rollout, masked_mean
+from opdjax.scoring.rescore import batch_from_rollout, masked_mean
+from opdjax.training.loss import LossConfig, per_token_terms
+from opdjax.views.history import ParamsHistory
+from opdjax.views.view import EngineView
 
 SP = SamplingParams(max_new_tokens=8)
 # 128 rows: the batched-backward miscompile noted in expected_signals showed only at this batch size.

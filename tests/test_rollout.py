@@ -8,7 +8,7 @@ import scipy.stats
 
 from opdjax.models import Model, ModelConfig
 from opdjax.rollout import JaxEngine, PromptTooLongError, SamplingParams
-from opdjax.scoring import batch_from_rollout
+from opdjax.scoring.rescore import batch_from_rollout
 
 PAD = 0
 N_NEW = 6
@@ -152,14 +152,14 @@ def test_prompt_too_long(engine):
     engine.generate([[1, 2], list(range(1, 9))], SamplingParams(max_new_tokens=N_NEW + 1, temperature=0.0))
 
 
-def test_params_version_follows_set_params(engine, model, params, random_params, score, greedy):
+def test_params_version_follows_sync(engine, model, params, random_params, score, greedy):
   assert engine.params_version == 1 and greedy.params_version == 1
   new = random_params(model, seed=1, std=0.5)
-  engine.set_params(new, version=3)
+  engine.sync(new, version=3)
   try:
     r = engine.generate(PROMPTS, GREEDY, seed=0)
   finally:
-    engine.set_params(params, version=1)
+    engine.sync(params, version=1)
   assert r.params_version == 3 and greedy.params_version == 1
   assert np.mean(np.asarray(r.completion_tokens) != np.asarray(greedy.completion_tokens)) > 0.3
   np.testing.assert_allclose(np.asarray(r.rollout_logprobs), score(new, r), atol=1e-4)

@@ -9,14 +9,17 @@ import ml_collections
 import numpy as np
 import pytest
 
-from opdjax import cli, perturb, sensitivity
-from opdjax.demo import default_config
+from opdjax import cli
+from opdjax.analyses import sensitivity
+from opdjax.analyses.sensitivity import Scorer, Settings
+from opdjax.config.defaults import default_config
 from opdjax.errors import UserError
-from opdjax.mismatch import EngineView, exact_kl
 from opdjax.models import Model, ModelConfig
 from opdjax.rollout import SamplingParams
-from opdjax.scoring import masked_mean
-from opdjax.sensitivity import Scorer, Settings
+from opdjax.scoring.mismatch import exact_kl
+from opdjax.scoring.rescore import masked_mean
+from opdjax.views import perturb
+from opdjax.views.view import EngineView
 
 SP = SamplingParams(max_new_tokens=8, temperature=0.8)
 PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(3, 40, 2 + i % 4)] for i in range(16)]

@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from opdjax.demo import default_config
+from opdjax.analyses.sweep import Runner, stability
+from opdjax.config.defaults import default_config
 from opdjax.errors import UserError
-from opdjax.mismatch import EngineView
-from opdjax.sweep import Runner, stability
+from opdjax.views.view import EngineView
 
 
 def _records(norms, accs):

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opdjax.loss import LossConfig
 from opdjax.models import Model, ModelConfig
-from opdjax.train import OptimConfig, TrainState, make_optimizer, make_train_step
+from opdjax.training.loss import LossConfig
+from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
 
 
 def _cfg(vocab=48, hidden=32, layers=2):
@@ -53,7 +53,7 @@ def test_step_reduces_reverse_kl_and_compiles_once(kind):
 def test_sampled_token_opd_on_policy_reduces_reverse_kl():
   """The policy-gradient estimator needs the student's own samples: run it through the engine."""
   from opdjax.rollout import JaxEngine, SamplingParams
-  from opdjax.scoring import batch_from_rollout
+  from opdjax.scoring.rescore import batch_from_rollout
 
   student, teacher = Model(_cfg(hidden=16, layers=1)), Model(_cfg())
   t_params = jax.tree.map(lambda x: 4 * x, teacher.init(jax.random.key(1)))
@@ -64,7 +64,7 @@ def test_sampled_token_opd_on_policy_reduces_reverse_kl():
   prompts = [[int(t) for t in np.random.default_rng(i % 8).integers(1, 48, 3)] for i in range(128)]
   kls = []
   for i in range(40):
-    engine.set_params(state.params, i)
+    engine.sync(state.params, i)
     r = engine.generate(prompts, SamplingParams(max_new_tokens=2), seed=i)
     state, m = step(state, t_params, batch_from_rollout(r))
     kls.append(float(m["reverse_kl"]))
@@ -96,9 +96,9 @@ def test_full_vocab_loss_memory_is_bounded_by_chunks():
 @pytest.mark.parametrize("tied", [True, False])
 def test_fused_chunked_gradient_equals_plain_autodiff(kind, is_mode, tied):
   """The custom-VJP chunked loss matches autodiff through an unchunked reference, params included."""
-  from opdjax.loss import importance_weights, per_token_terms
-  from opdjax.scoring import masked_mean
-  from opdjax.train import opd_loss
+  from opdjax.scoring.rescore import masked_mean
+  from opdjax.training.loss import importance_weights, per_token_terms
+  from opdjax.training.step import opd_loss
 
   cfg = _cfg(vocab=40).replace(tie_word_embeddings=tied)
   student, teacher = Model(cfg), Model(_cfg(vocab=40, hidden=48))

@@ -108,8 +108,8 @@ def test_keep_layers_prunes_like_deleting_hf_layers(folders):
   import transformers
 
   from opdjax.errors import UserError
-  from opdjax.loop import prune_layers
   from opdjax.models import Model, ModelConfig, load_hf_params
+  from opdjax.pipeline.loop import prune_layers
 
   path = folders / "teacher"
   cfg = ModelConfig.from_pretrained(path)

@@ -23,7 +23,7 @@ import pytest
 from opdjax.models import Model, ModelConfig, save_hf_params
 from opdjax.rollout import PromptTooLongError, SamplingParams
 from opdjax.rollout.vllm_engine import VllmEngine, VllmError, VllmInProcessEngine, VllmServer, prompt_seeds
-from opdjax.scoring import batch_from_rollout
+from opdjax.scoring.rescore import batch_from_rollout
 
 
 def skip_without_vllm():

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from opdjax import perturb
+from opdjax.models import quant
 from opdjax.models.config import ModelConfig
 
 Params = Any
@@ -58,8 +58,8 @@ def kv_fake_quant(x_BxTxKxE: jax.Array, cfg: ModelConfig) -> jax.Array:
   if cfg.kv_scale == "static":
     scale = jnp.ones((), jnp.float32)
   else:
-    scale = perturb.absmax_scale(x, cfg.kv_quant, axis=-1)
-  q = perturb.round_to_format(x / scale, cfg.kv_quant).astype(jnp.float32)
+    scale = quant.absmax_scale(x, cfg.kv_quant, axis=-1)
+  q = quant.round_to_format(x / scale, cfg.kv_quant).astype(jnp.float32)
   return (q * scale).astype(x_BxTxKxE.dtype)
 
 
@@ -76,8 +76,8 @@ class Linear(nn.Module):
     kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), jnp.float32)
     if self.act_quant != "none":
       x32 = x.astype(jnp.float32)
-      scale = perturb.absmax_scale(x32, self.act_quant, axis=-1)
-      x = (perturb.round_to_format(x32 / scale, self.act_quant).astype(jnp.float32) * scale).astype(x.dtype)
+      scale = quant.absmax_scale(x32, self.act_quant, axis=-1)
+      x = (quant.round_to_format(x32 / scale, self.act_quant).astype(jnp.float32) * scale).astype(x.dtype)
     y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(self.dtype)

@@ -42,7 +42,7 @@ KNOWN: dict[str, Source] = {
 
 
 def model_dir(name: str, cache_dir: str | None = None) -> str:
-  from opdjax.demo import cache_root
+  from opdjax.tasks.demo_models import cache_root
 
   return os.path.join(cache_dir or cache_root(), "models", name)
 

@@ -61,18 +61,53 @@ class Rollout:
     return [[int(t) for t, m in zip(row, mrow) if m] for row, mrow in zip(toks, mask)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+  """What an engine can do, so the pipeline never asks which engine it holds.
+
+  `view_parts`: the `EngineView` fields it can honour. `compute_dtype`, `kv_quant` and `act_quant`
+  are realised by the engine itself; `weights`, `noise_sigma` and `lag` by the params it is synced
+  with. `packed_weights`: it takes FP8/INT8 matrices packed (`QArray` leaves) and dequantizes or
+  multiplies them itself; otherwise it gets them fake-quantized in fp32.
+  `processed_logprobs`: its `rollout_logprobs` are of the processed sampling distribution
+  (temperature, top-k, top-p applied), the distribution the tokens were drawn from.
+  """
+
+  view_parts: frozenset[str]
+  packed_weights: bool = False
+  processed_logprobs: bool = True
+
+
 class RolloutEngine(abc.ABC):
-  """Generates rollouts from prompts given as token ids."""
+  """Samples completions of token-id prompts with the params it was last synced with.
+
+  Protocol: `sync(params, version)` installs weights (`version` is recorded in every later
+  rollout), `generate(prompts, sampling, seed) -> Rollout`, `close()` releases what it holds
+  (servers, caches); `capabilities` says what it can realise.
+  """
+
+  capabilities: Capabilities
+
+  @abc.abstractmethod
+  def sync(self, params, version: int) -> None:
+    """Installs new weights; `version` is recorded in later rollouts."""
 
   @abc.abstractmethod
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> Rollout:
     ...
 
-  @abc.abstractmethod
-  def set_params(self, params, version: int) -> None:
-    """Installs new weights; `version` is recorded in later rollouts."""
-
   @property
   @abc.abstractmethod
   def params_version(self) -> int:
     ...
+
+  def close(self) -> None:
+    """Releases what the engine holds; the default holds nothing beyond Python objects."""
+
+  def check_view(self, view) -> None:
+    """One error naming the view fields this engine cannot realise."""
+    unsupported = [f for f in ("compute_dtype", "kv_quant", "act_quant", "weights", "noise_sigma", "lag")
+                   if getattr(view, f) != getattr(type(view)(), f) and f not in self.capabilities.view_parts]
+    if unsupported:
+      raise UserError(f"rollout.view={view}: the {type(self).__name__} cannot realise {', '.join(unsupported)};"
+                      f" it realises {', '.join(sorted(self.capabilities.view_parts))}.")

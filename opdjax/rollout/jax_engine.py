@@ -17,8 +17,8 @@ import numpy as np
 
 from opdjax.errors import UserError
 from opdjax.models.decoder import Model, positions_from_mask
-from opdjax.perturb import QArray, unpack
-from opdjax.rollout.base import Rollout, RolloutEngine, SamplingParams
+from opdjax.models.quant import QArray, unpack
+from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams
 from opdjax.rollout.sampling import sample
 
 
@@ -90,6 +90,10 @@ def _generate(params, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
 class JaxEngine(RolloutEngine):
   """Batched sampling with the opdjax decoder, fully jitted."""
 
+  capabilities = Capabilities(
+      view_parts=frozenset({"compute_dtype", "kv_quant", "act_quant", "weights", "noise_sigma", "lag"}),
+      packed_weights=True, processed_logprobs=True)
+
   def __init__(self, model: Model, params, *, max_len: int, pad_id: int,
                eos_ids: Sequence[int] | None = None, version: int = 0, kv_dtype=None):
     self.model = model
@@ -97,7 +101,7 @@ class JaxEngine(RolloutEngine):
     self.pad_id = pad_id
     self.eos_ids = tuple(model.cfg.eos_ids if eos_ids is None else eos_ids)
     self.kv_dtype = kv_dtype
-    self.set_params(params, version)
+    self.sync(params, version)
     self._cache = None
     self._compiled: dict[SamplingParams, object] = {}
 
@@ -105,7 +109,7 @@ class JaxEngine(RolloutEngine):
   def params_version(self) -> int:
     return self._version
 
-  def set_params(self, params, version: int) -> None:
+  def sync(self, params, version: int) -> None:
     """Installs weights, cast once to the model's compute dtype (bf16 decode reads bf16 weights)."""
     dt = jnp.dtype(self.model.cfg.dtype)
     if dt != jnp.float32:

@@ -117,7 +117,7 @@ class RunCheckpointer:
 def restore_student(run_dir: str, step: int | None = None):
   """(model, params, meta) of the student in a run's checkpoint (the latest when `step` is None)."""
   from opdjax.models import Model, ModelConfig
-  from opdjax.train import OptimConfig, TrainState, make_optimizer
+  from opdjax.training.step import OptimConfig, TrainState, make_optimizer
 
   ckpt_dir = run_dir if os.path.isdir(os.path.join(run_dir, "latest")) else os.path.join(run_dir, "checkpoints")
   if not os.path.isdir(os.path.join(ckpt_dir, "latest")):

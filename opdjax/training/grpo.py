@@ -33,11 +33,11 @@ import numpy as np
 import optax
 
 from opdjax.errors import UserError
-from opdjax.loss import IS_MODES, importance_weights
-from opdjax.mismatch import sampled_metrics
 from opdjax.models.decoder import Model
-from opdjax.scoring import TrainBatch, masked_mean, token_logprobs
-from opdjax.train import TrainState, apply_gradients
+from opdjax.scoring.mismatch import sampled_metrics
+from opdjax.scoring.rescore import TrainBatch, masked_mean, token_logprobs
+from opdjax.training.loss import IS_MODES, importance_weights
+from opdjax.training.step import TrainState, apply_gradients
 
 
 @dataclasses.dataclass(frozen=True)

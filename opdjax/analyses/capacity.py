@@ -26,12 +26,14 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 
-from opdjax import perturb, reporting
+from opdjax.analyses import reporting
 from opdjax.errors import UserError
+from opdjax.models import quant
 from opdjax.models.config import ModelConfig
+from opdjax.views import perturb
 
 GIB = 1 << 30
-SCALE_BYTES = 4  # fp32 scales, as vLLM's fp8 linear layers and `perturb.quantize` keep them
+SCALE_BYTES = 4  # fp32 scales, as vLLM's fp8 linear layers and `quant.quantize` keep them
 FORMAT_BYTES = {"fp32": 2, "bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}  # fp32 serves as bf16
 KV_BYTES = {"bf16": 2, "fp8": 1}
 DEFAULT_RESERVE_FRACTION = 0.05
@@ -162,19 +164,19 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def _num_scales(shape: tuple[int, ...], granularity: str) -> int:
-  """Scales `perturb.quantize` keeps for a matrix: one, one per output column, or one per 128x128 tile."""
+  """Scales `quant.quantize` keeps for a matrix: one, one per output column, or one per 128x128 tile."""
   if granularity == "tensor":
     return 1
   if granularity == "channel":
     return shape[-1]
-  return math.ceil(shape[-2] / perturb.BLOCK) * math.ceil(shape[-1] / perturb.BLOCK)
+  return math.ceil(shape[-2] / quant.BLOCK) * math.ceil(shape[-1] / quant.BLOCK)
 
 
 def weight_footprint(cfg: ModelConfig, recipe: Sequence[tuple[str, str]] | None = None) -> dict[str, int]:
   """{"params", "quantized_params", "scale_bytes", "bytes"} of the weights served under `recipe`
   (None: all bf16). Every pattern must match some module, as in `perturb.apply_recipe`."""
   shapes = tensor_shapes(cfg)
-  rows = [(pat, perturb.QuantFormat.parse(fmt)) for pat, fmt in (recipe or [])]
+  rows = [(pat, quant.QuantFormat.parse(fmt)) for pat, fmt in (recipe or [])]
   modules = sorted({m for m, _, _ in shapes})
   for pat, _ in rows:
     # Presets always name lm_head; with tied embeddings it is embed_tokens, already counted.
@@ -251,7 +253,7 @@ def _ratio(tokens: int, base: int) -> float | None:
 
 
 def capacity_for_view(model_cfg, view, memory_gib: float, reserve_gib: float | None = None) -> dict:
-  """KV capacity of an `opdjax.mismatch.EngineView`'s weights and KV dtype in `memory_gib`; the
+  """KV capacity of an `opdjax.views.view.EngineView`'s weights and KV dtype in `memory_gib`; the
   ratio is against bf16 weights and bf16 KV in the same memory (None when those do not fit).
   fp32 weights and `kv_quant="none"` count as the bf16 serving baseline."""
   recipe = view.recipe(model_cfg.num_layers)

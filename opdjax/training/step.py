@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import optax
 
 from opdjax.errors import UserError
-from opdjax.loss import LossConfig, fused_opd_loss
-from opdjax.mismatch import sampled_metrics
 from opdjax.models.decoder import Model
-from opdjax.scoring import TrainBatch, masked_mean
+from opdjax.scoring.mismatch import sampled_metrics
+from opdjax.scoring.rescore import TrainBatch, masked_mean
+from opdjax.training.loss import LossConfig, fused_opd_loss
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import signal
@@ -18,94 +17,18 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from opdjax.checkpoint import RunCheckpointer, package_versions
-from opdjax.demo import cached_sft_model
 from opdjax.errors import UserError
-from opdjax.loss import LossConfig
-from opdjax.mismatch import EngineView, exact_kl
-from opdjax.models import Model, ModelConfig, load_hf_params, save_hf_params
-from opdjax.models.fetch import resolve
-from opdjax.perturb import ParamsHistory
-from opdjax.rollout import JaxEngine, Rollout, SamplingParams
-from opdjax.scoring import batch_from_rollout, masked_mean
-from opdjax.tasks.addition import AdditionTask
-from opdjax.tasks.prompts import PromptsTask
-from opdjax.train import OptimConfig, TrainState, make_optimizer, make_train_step, opd_loss
-
-
-def make_task(cfg: ml_collections.ConfigDict):
-  if cfg.task.name == "addition":
-    return AdditionTask(cfg.task.max_digits, num_eval=cfg.task.num_eval)
-  if cfg.task.name == "prompts":
-    if not cfg.teacher.path:
-      raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
-    path = cfg.task.path
-    if path.startswith("builtin:"):  # prompts shipped with opdjax (opdjax/data/NAME.jsonl)
-      path = os.path.join(os.path.dirname(__file__), "data", path[len("builtin:"):] + ".jsonl")
-    return PromptsTask(path, resolve(cfg.teacher.path), cfg.task.num_eval, cfg.task.chat_template,
-                       cfg.rollout.max_len - cfg.rollout.max_new_tokens)
-  raise UserError(f"task.name={cfg.task.name!r}: choose 'addition' or 'prompts'.")
-
-
-class HeldOut:
-  """Held-out quality of a student: reverse KL to the teacher on the student's own samples (full
-  vocabulary), and the verifier's score of its greedy answers; one compiled loss and one engine."""
-
-  def __init__(self, student: Model, teacher: Model, task, sampling: SamplingParams, chunk: int, seed: int,
-               engine_kw: dict):
-    self.loss = jax.jit(functools.partial(opd_loss, student=student, teacher=teacher,
-                                          loss_cfg=LossConfig(kind="full_rkl", chunk=chunk)))
-    self.engine = JaxEngine(student, None, **engine_kw)
-    self.prompts, self.refs = task.eval_set()
-    self.task, self.sampling, self.seed = task, sampling, seed
-    self.greedy = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
-
-  def __call__(self, params, teacher_params, version: int = 0) -> tuple[dict, Rollout]:
-    """(metrics, the sampled held-out rollout)."""
-    self.engine.set_params(params, version)
-    r = self.engine.generate(self.prompts, self.sampling, seed=self.seed)
-    _, m = self.loss(params, teacher_params, batch_from_rollout(r))
-    out = {"reverse_kl": float(m["reverse_kl"])}
-    acc = self.task.score(self.refs, self.engine.generate(self.prompts, self.greedy, seed=0).completions())
-    if acc is not None:
-      out["accuracy"] = acc
-    return out, r
-
-
-def prune_layers(model_cfg: ModelConfig, params, keep: str):
-  """Keeps the layers `keep` selects (a Python slice like `0::2`, or `0,3,5`), renumbered."""
-  n = model_cfg.num_layers
-  try:
-    if ":" in keep:
-      kept = list(range(n))[slice(*[int(x) if x else None for x in keep.split(":")])]
-    else:
-      kept = [int(x) for x in keep.split(",")]
-  except ValueError:
-    raise UserError(f"keep_layers={keep!r}: give a slice like '0::2' or indices like '0,3,5'.") from None
-  if not kept or any(not 0 <= i < n for i in kept):
-    raise UserError(f"keep_layers={keep!r} selects {kept} of a {n}-layer model.")
-  pruned = {k: v for k, v in params.items() if not k.startswith("layers_")}
-  pruned.update({f"layers_{j}": params[f"layers_{i}"] for j, i in enumerate(kept)})
-  return model_cfg.replace(num_layers=len(kept)), pruned
-
-
-def load_model(role: str, cfg: ml_collections.ConfigDict, task):
-  mc = cfg[role]
-  if mc.path:
-    path = resolve(mc.path)
-    model_cfg = ModelConfig.from_pretrained(path)
-    params = load_hf_params(path, model_cfg)
-    if mc.get("keep_layers"):
-      model_cfg, params = prune_layers(model_cfg, params, mc.keep_layers)
-  elif isinstance(task, AdditionTask):
-    model, params, _ = cached_sft_model(role, mc, task, cfg.seed)
-    model_cfg = model.cfg
-  else:
-    raise UserError(f"{role}.path is empty: give an HF safetensors folder for the {role}.")
-  if model_cfg.vocab_size < task.vocab_size:
-    raise UserError(f"{role} vocab_size={model_cfg.vocab_size} is smaller than the task's tokenizer"
-                     f" ({task.vocab_size} tokens); use a {role} that matches the prompts' tokenizer.")
-  return Model(model_cfg.replace(dtype=cfg.model.dtype), remat=cfg.model.remat), params
+from opdjax.models import Model, save_hf_params
+from opdjax.pipeline.build import load_model, make_task
+from opdjax.pipeline.checkpoint import RunCheckpointer, package_versions
+from opdjax.pipeline.heldout import HeldOut
+from opdjax.rollout import JaxEngine, SamplingParams
+from opdjax.scoring.mismatch import exact_kl
+from opdjax.scoring.rescore import batch_from_rollout, masked_mean
+from opdjax.training.loss import LossConfig
+from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
+from opdjax.views.history import ParamsHistory
+from opdjax.views.view import EngineView
 
 
 def _fault(phase: str, step: int) -> None:
@@ -255,7 +178,7 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True, res
   try:
     for step in bar:
       prompts, refs = task.train_batch(np.random.default_rng([cfg.seed, step]), cfg.rollout.batch_size)
-      engine.set_params(*engine_params(step))  # the clean view: on-policy, the current params
+      engine.sync(*engine_params(step))  # the clean view: on-policy, the current params
       rollout = engine.generate(prompts, sampling, seed=cfg.seed * 1_000_003 + step)
       _fault("rollout", step + 1)
       state, m = step_fn(state, teacher_params, batch_from_rollout(rollout))

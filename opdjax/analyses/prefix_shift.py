@@ -38,17 +38,17 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from opdjax import reporting
-from opdjax.loop import load_model, make_task
-from opdjax.loss import LossConfig
-from opdjax.mismatch import EngineView, ViewTransform
-from opdjax.mismatch_run import parse_views, sampling_params, warmup_history
+from opdjax.analyses import reporting
+from opdjax.analyses.mismatch import parse_views, sampling_params, warmup_history
 from opdjax.models.decoder import Model
-from opdjax.perturb import ParamsHistory
+from opdjax.pipeline.build import load_model, make_task
 from opdjax.rollout import JaxEngine, SamplingParams
 from opdjax.rollout.base import Rollout
 from opdjax.rollout.sampling import sampling_logprobs
-from opdjax.scoring import TrainBatch, batch_from_rollout, chunked_over_positions
+from opdjax.scoring.rescore import TrainBatch, batch_from_rollout, chunked_over_positions
+from opdjax.training.loss import LossConfig
+from opdjax.views.history import ParamsHistory
+from opdjax.views.view import EngineView, ViewTransform
 
 # The signals one call computes on a batch: (coefficient kind, positions). The clean batch goes
 # through the very same compiled function (its `p` rows are used), so a zero difference is exact.
@@ -225,7 +225,7 @@ class PrefixShift:
 
   def rollout(self, vmodel: Model, params, prompts, seed: int) -> Rollout:
     engine = self.engine(vmodel)
-    engine.set_params(params, 0)
+    engine.sync(params, 0)
     return engine.generate(prompts, self.sampling, seed=seed)
 
   def measure(self, clean: Rollout, other: Rollout, vmodel: Model, vparams, params, teacher_params) -> Measurement:

@@ -32,13 +32,13 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from opdjax import reporting
-from opdjax.checkpoint import package_versions
+from opdjax.analyses import reporting
+from opdjax.analyses.mismatch import Measurer, parse_views, warmup_history
+from opdjax.analyses.sweep import Runner, final_quality
 from opdjax.errors import UserError
-from opdjax.mismatch import EngineView
-from opdjax.mismatch_run import Measurer, parse_views, warmup_history
-from opdjax.perturb import QuantFormat
-from opdjax.sweep import Runner, final_quality
+from opdjax.models.quant import QuantFormat
+from opdjax.pipeline.checkpoint import package_versions
+from opdjax.views.view import EngineView
 
 BUDGET_FORMAT = 1
 QUALITY = {"reverse_kl": +1, "accuracy": -1}  # sign of "worse" (reverse KL up, accuracy down)
@@ -255,8 +255,8 @@ def load_budget(path: str) -> dict:
 
 def admit(budget_path: str, candidates_path: str, out_dir: str | None = None, overrides: dict | None = None,
           progress: bool = True) -> dict:
-  from opdjax.capacity import capacity_for_view
-  from opdjax.configlib import apply_overrides
+  from opdjax.analyses.capacity import capacity_for_view
+  from opdjax.config.loader import apply_overrides
 
   budget = load_budget(budget_path)
   candidates = read_candidates(candidates_path)

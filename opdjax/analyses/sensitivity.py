@@ -40,13 +40,15 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from opdjax import capacity, perturb, reporting
+from opdjax.analyses import capacity, reporting
+from opdjax.analyses.mismatch import sampling_params
 from opdjax.errors import UserError
-from opdjax.mismatch_run import sampling_params
+from opdjax.models import quant
 from opdjax.models.decoder import Model
 from opdjax.rollout import JaxEngine, SamplingParams
 from opdjax.rollout.sampling import sampling_logprobs
-from opdjax.scoring import TrainBatch, batch_from_rollout, chunked_over_positions, masked_mean
+from opdjax.scoring.rescore import TrainBatch, batch_from_rollout, chunked_over_positions, masked_mean
+from opdjax.views import perturb
 
 ROLES = ("teacher", "student")
 QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "int8")
@@ -73,11 +75,11 @@ class Settings:
   def from_config(cls, sc: ml_collections.ConfigDict) -> Settings:
     if sc.model not in ROLES:
       raise UserError(f"sensitivity.model={sc.model!r}: choose 'teacher' or 'student' (the model to analyse).")
-    recipe = perturb.QuantFormat.parse(sc.recipe_format)
+    recipe = quant.QuantFormat.parse(sc.recipe_format)
     if recipe.name not in QUANTIZED:
       raise UserError(f"sensitivity.recipe_format={sc.recipe_format!r}: the recipe quantizes to one of"
                       f" {', '.join(QUANTIZED)} (e.g. 'fp8_e4m3:channel'); bf16 is what it keeps.")
-    formats = [str(perturb.QuantFormat.parse(f.strip())) for f in sc.formats.split(",") if f.strip()]
+    formats = [str(quant.QuantFormat.parse(f.strip())) for f in sc.formats.split(",") if f.strip()]
     if sc.noise_sigma < 0 or sc.target_kl < 0 or sc.num_prompts < 1:
       raise UserError("sensitivity.noise_sigma and target_kl must be >= 0 and num_prompts >= 1 (got"
                       f" {sc.noise_sigma}, {sc.target_kl}, {sc.num_prompts}).")
@@ -323,7 +325,7 @@ def compare(a: dict, b: dict) -> dict:
 
 def run(cfg: ml_collections.ConfigDict, out_dir: str | None = None, progress: bool = True) -> dict:
   """Loads `sensitivity.model`, samples the tokens, sweeps, builds the recipe; writes `out_dir`."""
-  from opdjax.loop import load_model, make_task  # loop imports the whole training stack
+  from opdjax.pipeline.loop import load_model, make_task  # loop imports the whole training stack
 
   settings = Settings.from_config(cfg.sensitivity)
   t0 = time.time()
@@ -425,7 +427,7 @@ def _plot_recipe(results: dict, path: str) -> str:
   ax.axhline(rec["target_kl"], color="gray", lw=0.8, ls=":", label="target")
   ax.axvline(rec["k"], color="gray", lw=0.5)
   ax.set_yscale("log")
-  ax.xaxis.get_major_locator().set_params(integer=True)
+  ax.xaxis.get_major_locator().sync(integer=True)
   ax.set_xlabel(f"k layers kept in bf16 (the rest {_short(rec['format'])})")
   ax.set_ylabel("exact KL")
   ax.set_title(f"{results['model'].get('path', '')}: recipe KL vs memory", fontsize=9)

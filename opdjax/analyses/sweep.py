@@ -18,15 +18,16 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from opdjax import perturb
+from opdjax.analyses.mismatch import sampling_params
 from opdjax.errors import UserError
-from opdjax.loop import HeldOut, load_model, make_task
-from opdjax.loss import LossConfig
-from opdjax.mismatch import EngineView, ViewTransform
-from opdjax.mismatch_run import sampling_params
+from opdjax.pipeline.build import load_model, make_task
+from opdjax.pipeline.heldout import HeldOut
 from opdjax.rollout import JaxEngine
-from opdjax.scoring import batch_from_rollout
-from opdjax.train import OptimConfig, TrainState, make_optimizer, make_train_step
+from opdjax.scoring.rescore import batch_from_rollout
+from opdjax.training.loss import LossConfig
+from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
+from opdjax.views.history import ParamsHistory
+from opdjax.views.view import EngineView, ViewTransform
 
 ALGOS = ("opd", "grpo")
 
@@ -62,14 +63,14 @@ class Runner:
         self._steps[algo] = make_train_step(self.student, self.teacher, LossConfig(**self.cfg.loss),
                                             self._optimizer(algo), skip_nonfinite=True)
       else:
-        from opdjax import grpo
+        from opdjax.training import grpo
 
         self._steps[algo] = grpo.make_grpo_step(self.student, self.grpo_config(), self._optimizer(algo),
                                                 skip_nonfinite=True)
     return self._steps[algo]
 
   def grpo_config(self):
-    from opdjax import grpo
+    from opdjax.training import grpo
 
     g = self.cfg.grpo
     temp = self.cfg.rollout.temperature or 1.0
@@ -106,7 +107,7 @@ class Runner:
       raise UserError(f"algo={algo!r}; choose one of {', '.join(ALGOS)}.")
     step_fn, optimizer = self._step(algo), self._optimizer(algo)
     state = TrainState.create(jax.tree.map(jnp.copy, self.student_params), optimizer)  # steps donate it
-    history = perturb.ParamsHistory(view.lag + 1)
+    history = ParamsHistory(view.lag + 1)
     engine = self.engine(view)
     batch_size = self.cfg.rollout.batch_size
     group = self.cfg.grpo.group_size if algo == "grpo" else 1
@@ -123,9 +124,9 @@ class Runner:
       if view.lag:  # the history copies params (the step donates them)
         history.push(step, state.params)
         version, params = history.lagged(view.lag)
-      engine.set_params(self.engine_params(view, params, version, seed), version)
+      engine.sync(self.engine_params(view, params, version, seed), version)
       if algo == "grpo":
-        from opdjax import grpo
+        from opdjax.training import grpo
 
         prompts, refs = grpo.repeat_prompts(prompts, group), grpo.repeat_references(refs, group)
       rollout = engine.generate(prompts, self.sampling, seed=(seed * 1_000_003 + step) % (2**31))

@@ -20,13 +20,14 @@ import numpy as np
 from tqdm import tqdm
 
 from opdjax.errors import UserError
-from opdjax.loop import load_model, make_task
-from opdjax.loss import LossConfig
-from opdjax.mismatch import EngineView, ViewTransform, exact_kl, sampled_metrics
-from opdjax.perturb import ParamsHistory
+from opdjax.pipeline.build import load_model, make_task
 from opdjax.rollout import JaxEngine, SamplingParams
-from opdjax.scoring import batch_from_rollout, masked_mean, token_logprobs
-from opdjax.train import OptimConfig, TrainState, make_optimizer, make_train_step
+from opdjax.scoring.mismatch import exact_kl, sampled_metrics
+from opdjax.scoring.rescore import batch_from_rollout, masked_mean, token_logprobs
+from opdjax.training.loss import LossConfig
+from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
+from opdjax.views.history import ParamsHistory
+from opdjax.views.view import EngineView, ViewTransform
 
 COLUMNS = ("exact_kl", "kl_k3_tok", "kl_k1_tok", "kl_k3_seq", "abs_r_mean", "abs_r_max", "prob_err_mult",
            "chi2_tok", "chi2_seq", "ess_tok", "ess_seq", "prob_corr")
@@ -57,7 +58,7 @@ class Measurer:
   def measure(self, view: EngineView, history: ParamsHistory, trainer_params, prompts, seed: int):
     _, kl_fn, engine = self._for_model(view)
     vparams = self.view_params(view, history)
-    engine.set_params(vparams, history.lagged(view.lag)[0])
+    engine.sync(vparams, history.lagged(view.lag)[0])
     rollout = engine.generate(prompts, self.sampling, seed=seed)
     batch = batch_from_rollout(rollout)
     trainer_lp = self._rescore(trainer_params, batch)
@@ -72,7 +73,7 @@ class Measurer:
     """Per-position exact KL `[B, L]` of the view's own rollout and its loss mask (for intervals)."""
     _, kl_fn, engine = self._for_model(view)
     vparams = self.view_params(view, history)
-    engine.set_params(vparams, history.lagged(view.lag)[0])
+    engine.sync(vparams, history.lagged(view.lag)[0])
     batch = batch_from_rollout(engine.generate(prompts, self.sampling, seed=seed))
     return np.asarray(kl_fn(vparams, trainer_params, batch)), np.asarray(batch["loss_mask"])
 
@@ -107,7 +108,7 @@ def warmup_history(cfg, task, student, student_params, teacher, teacher_params, 
   sampling = sampling_params(cfg)
   for i in range(steps):
     prompts, _ = task.train_batch(rng, cfg.rollout.batch_size)
-    engine.set_params(state.params, i)
+    engine.sync(state.params, i)
     state, _ = step_fn(state, teacher_params, batch_from_rollout(engine.generate(prompts, sampling, seed=i)))
     history.push(i + 1, state.params)
   return state, history

@@ -1,0 +1,106 @@
+"""Number formats the model and the engine compute in: FP8/INT8 rounding with absmax scales,
+quantized matrices (`QArray`) and fake quantization (quantize -> dequantize in fp32).
+
+The views apply these to params by path (opdjax.views.perturb); the decoder applies them to the KV
+cache and to activations (W8A8 engines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from opdjax.errors import UserError
+
+FP8_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")
+GRANULARITIES = ("tensor", "channel", "block")
+BLOCK = 128
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+  """`fp8_e4m3`, `fp8_e5m2` or `int8` at a scale granularity, or a plain dtype (`bf16`, `fp32`)."""
+
+  name: str
+  granularity: str = "channel"
+
+  @classmethod
+  def parse(cls, spec: str) -> QuantFormat:
+    name, _, gran = spec.partition(":")
+    fmt = cls(name, gran or ("tensor" if name in ("fp32", "bf16") else "channel"))
+    if fmt.name not in FORMATS:
+      raise UserError(f"unknown weight format {spec!r}; formats: {', '.join(FORMATS)}, optionally ':tensor',"
+                      f" ':channel' or ':block' (128x128 scales), e.g. 'fp8_e4m3:block'.")
+    if fmt.granularity not in GRANULARITIES:
+      raise UserError(f"unknown scale granularity in {spec!r}; choose one of {', '.join(GRANULARITIES)}.")
+    return fmt
+
+  def __str__(self):
+    return self.name if self.name in ("fp32", "bf16") else f"{self.name}:{self.granularity}"
+
+
+def _qmax(name: str) -> float:
+  return 127.0 if name == "int8" else float(jnp.finfo(FP8_DTYPES[name]).max)
+
+
+def round_to_format(x_scaled: jax.Array, name: str) -> jax.Array:
+  """Rounds already-scaled fp32 values to `fp8_e4m3`, `fp8_e5m2` or `int8` (saturating)."""
+  qmax = _qmax(name)
+  if name == "int8":
+    return jnp.clip(jnp.round(x_scaled), -qmax, qmax).astype(jnp.int8)
+  return jnp.clip(x_scaled, -qmax, qmax).astype(FP8_DTYPES[name])
+
+
+def absmax_scale(x: jax.Array, name: str, axis=None) -> jax.Array:
+  return jnp.maximum(jnp.max(jnp.abs(x), axis=axis, keepdims=True), jnp.finfo(jnp.float32).tiny) / _qmax(name)
+
+
+@flax.struct.dataclass
+class QArray:
+  """A matrix held quantized: `q` (fp8/int8) times `scale`; `shape` is the dequantized shape."""
+
+  q: jax.Array
+  scale: jax.Array
+  shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
+
+  def dequantize(self) -> jax.Array:
+    x = self.q.astype(jnp.float32) * self.scale
+    if x.shape != self.shape:  # block layout [..., R/128, 128, C/128, 128], padded
+      x = x.reshape(*x.shape[:-4], x.shape[-4] * BLOCK, x.shape[-2] * BLOCK)[..., : self.shape[-2], : self.shape[-1]]
+    return x
+
+
+def quantize(x: jax.Array, fmt: QuantFormat) -> QArray:
+  """Scales are absmax / format max: `tensor`, one; `channel`, one per index of the last axis
+  (the output channels of an `[in, out]` kernel); `block`, one per 128x128 tile (DeepSeek-V3
+  style), ragged edges padded."""
+  x = x.astype(jnp.float32)
+  if x.ndim < 2:
+    raise UserError(f"{fmt} applies to matrices; 1-D tensors (norms, biases) stay in fp32/bf16.")
+  if fmt.granularity == "block":
+    rows, cols = x.shape[-2:]
+    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, -rows % BLOCK), (0, -cols % BLOCK)])
+    x_t = xp.reshape(*x.shape[:-2], xp.shape[-2] // BLOCK, BLOCK, xp.shape[-1] // BLOCK, BLOCK)
+    scale = absmax_scale(x_t, fmt.name, axis=(-3, -1))
+  else:
+    x_t = x
+    scale = absmax_scale(x, fmt.name, axis=None if fmt.granularity == "tensor" else -2)
+  return QArray(round_to_format(x_t / scale, fmt.name), scale, tuple(x.shape))
+
+
+def fake_quant(x: jax.Array, fmt: QuantFormat) -> jax.Array:
+  """Quantize then dequantize: fp32 values exactly representable in the quantized form."""
+  if fmt.name == "fp32":
+    return x.astype(jnp.float32)
+  if fmt.name == "bf16":
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+  return quantize(x, fmt).dequantize()
+
+
+def unpack(params):
+  """Dequantizes every `QArray` leaf (call inside jit: XLA fuses it into the consumers)."""
+  return jax.tree.map(lambda x: x.dequantize() if isinstance(x, QArray) else x, params,
+                      is_leaf=lambda x: isinstance(x, QArray))

@@ -1,0 +1,67 @@
+"""Builds what a run needs from its config: the task, and the teacher and student (HF folders,
+fetched models, or the demo's cached models), pruned with `keep_layers` where asked."""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from opdjax.errors import UserError
+from opdjax.models import Model, ModelConfig, load_hf_params
+from opdjax.models.fetch import resolve
+from opdjax.tasks.addition import AdditionTask
+from opdjax.tasks.demo_models import cached_sft_model
+from opdjax.tasks.prompts import PromptsTask
+
+
+def make_task(cfg: ml_collections.ConfigDict):
+  if cfg.task.name == "addition":
+    return AdditionTask(cfg.task.max_digits, num_eval=cfg.task.num_eval)
+  if cfg.task.name == "prompts":
+    if not cfg.teacher.path:
+      raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
+    path = cfg.task.path
+    if path.startswith("builtin:"):  # prompts shipped with opdjax (opdjax/data/NAME.jsonl)
+      path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", path[len("builtin:"):] + ".jsonl")
+    return PromptsTask(path, resolve(cfg.teacher.path), cfg.task.num_eval, cfg.task.chat_template,
+                       cfg.rollout.max_len - cfg.rollout.max_new_tokens)
+  raise UserError(f"task.name={cfg.task.name!r}: choose 'addition' or 'prompts'.")
+
+
+def prune_layers(model_cfg: ModelConfig, params, keep: str):
+  """Keeps the layers `keep` selects (a Python slice like `0::2`, or `0,3,5`), renumbered."""
+  n = model_cfg.num_layers
+  try:
+    if ":" in keep:
+      kept = list(range(n))[slice(*[int(x) if x else None for x in keep.split(":")])]
+    else:
+      kept = [int(x) for x in keep.split(",")]
+  except ValueError:
+    raise UserError(f"keep_layers={keep!r}: give a slice like '0::2' or indices like '0,3,5'.") from None
+  if not kept or any(not 0 <= i < n for i in kept):
+    raise UserError(f"keep_layers={keep!r} selects {kept} of a {n}-layer model.")
+  pruned = {k: v for k, v in params.items() if not k.startswith("layers_")}
+  pruned.update({f"layers_{j}": params[f"layers_{i}"] for j, i in enumerate(kept)})
+  return model_cfg.replace(num_layers=len(kept)), pruned
+
+
+def load_model(role: str, cfg: ml_collections.ConfigDict, task):
+  mc = cfg[role]
+  if mc.path:
+    path = resolve(mc.path)
+    model_cfg = ModelConfig.from_pretrained(path)
+    params = load_hf_params(path, model_cfg)
+    if mc.get("keep_layers"):
+      model_cfg, params = prune_layers(model_cfg, params, mc.keep_layers)
+  elif isinstance(task, AdditionTask):
+    model, params, _ = cached_sft_model(role, mc, task, cfg.seed)
+    model_cfg = model.cfg
+  else:
+    raise UserError(f"{role}.path is empty: give an HF safetensors folder for the {role}.")
+  if model_cfg.vocab_size < task.vocab_size:
+    raise UserError(f"{role} vocab_size={model_cfg.vocab_size} is smaller than the task's tokenizer"
+                     f" ({task.vocab_size} tokens); use a {role} that matches the prompts' tokenizer.")
+  return Model(model_cfg.replace(dtype=cfg.model.dtype), remat=cfg.model.remat), params
+
+

@@ -1,0 +1,40 @@
+"""Held-out evaluation: one compiled loss and one engine, shared by the loop and the sweeps."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from opdjax.models import Model
+from opdjax.rollout import JaxEngine, Rollout, SamplingParams
+from opdjax.scoring.rescore import batch_from_rollout
+from opdjax.training.loss import LossConfig
+from opdjax.training.step import opd_loss
+
+
+class HeldOut:
+  """Held-out quality of a student: reverse KL to the teacher on the student's own samples (full
+  vocabulary), and the verifier's score of its greedy answers; one compiled loss and one engine."""
+
+  def __init__(self, student: Model, teacher: Model, task, sampling: SamplingParams, chunk: int, seed: int,
+               engine_kw: dict):
+    self.loss = jax.jit(functools.partial(opd_loss, student=student, teacher=teacher,
+                                          loss_cfg=LossConfig(kind="full_rkl", chunk=chunk)))
+    self.engine = JaxEngine(student, None, **engine_kw)
+    self.prompts, self.refs = task.eval_set()
+    self.task, self.sampling, self.seed = task, sampling, seed
+    self.greedy = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
+
+  def __call__(self, params, teacher_params, version: int = 0) -> tuple[dict, Rollout]:
+    """(metrics, the sampled held-out rollout)."""
+    self.engine.sync(params, version)
+    r = self.engine.generate(self.prompts, self.sampling, seed=self.seed)
+    _, m = self.loss(params, teacher_params, batch_from_rollout(r))
+    out = {"reverse_kl": float(m["reverse_kl"])}
+    acc = self.task.score(self.refs, self.engine.generate(self.prompts, self.greedy, seed=0).completions())
+    if acc is not None:
+      out["accuracy"] = acc
+    return out, r
+
+
