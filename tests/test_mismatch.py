@@ -101,6 +101,62 @@ def test_fake_quant_error_orders_and_granularity():
   assert float(jnp.max(jnp.where(big, jnp.abs(q - x) / jnp.abs(x), 0))) <= 2**-4 + 1e-6
 
 
+ZERO_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def _with_zero_groups():
+  """`[2, 256, 260]` (a leading layer axis; ragged 128x128 tiles): layer 1 all zeros (a zero tensor),
+  and in layer 0 a zero output channel and a zero 128x128 tile; every other entry ~ N(0, 1)."""
+  x = np.random.default_rng(0).normal(0, 1, (2, 256, 260)).astype(np.float32)
+  x[1] = 0.0
+  x[0, :, 3] = 0.0
+  x[0, :128, 128:256] = 0.0
+  return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("granularity", quant.GRANULARITIES)
+@pytest.mark.parametrize("name", ZERO_FORMATS)
+def test_all_zero_groups_quantize_to_exact_zeros(name, granularity):
+  """A group whose absmax is 0 must come back as zeros, not 0/0 = NaN, in QArray and fake quant."""
+  fmt = quant.QuantFormat(name, granularity)
+  x = _with_zero_groups()
+  packed = quant.quantize(x, fmt)
+  assert bool(jnp.all(jnp.isfinite(packed.q.astype(jnp.float32)))) and bool(jnp.all(packed.scale > 0))
+  for y in (packed.dequantize(), quant.fake_quant(x, fmt)):
+    assert bool(jnp.all(jnp.isfinite(y)))
+    np.testing.assert_array_equal(np.asarray(y)[np.asarray(x) == 0], 0.0)
+    # The non-zero groups are still quantized, not zeroed with them.
+    np.testing.assert_allclose(np.asarray(y[0, 128:, 200:]), np.asarray(x[0, 128:, 200:]), atol=0.35)
+  one = quant.fake_quant(jnp.ones((4, 3)).at[:, 1].set(0.0), quant.QuantFormat(name, "channel"))
+  np.testing.assert_array_equal(np.asarray(one), np.asarray(jnp.ones((4, 3)).at[:, 1].set(0.0)))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_zero_key_value_vector_survives_per_head_fp8_kv(name):
+  from opdjax.models.decoder import kv_fake_quant
+
+  cfg = ModelConfig(model_type="llama", vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=1,
+                    num_heads=4, num_kv_heads=2, head_dim=8, kv_quant=name, kv_scale="per_head")
+  x = jnp.asarray(np.random.default_rng(1).normal(0, 1, (2, 3, 2, 8)), jnp.float32).at[0, 1, 0].set(0.0)
+  y = kv_fake_quant(x, cfg)
+  assert bool(jnp.all(jnp.isfinite(y)))
+  np.testing.assert_array_equal(np.asarray(y[0, 1, 0]), 0.0)
+  assert 0 < float(jnp.max(jnp.abs(y - x))) < 0.2  # the other heads are rounded, not zeroed
+
+
+@pytest.mark.parametrize("act", ["fp8_e4m3", "int8"])
+def test_zero_activation_row_survives_w8a8(act):
+  from opdjax.models.decoder import Linear
+
+  layer = Linear(5, use_bias=False, dtype=jnp.float32, act_quant=act)
+  x = jnp.asarray(np.random.default_rng(2).normal(0, 1, (3, 4)), jnp.float32).at[1].set(0.0)
+  variables = layer.init(jax.random.key(0), x)
+  y = layer.apply(variables, x)
+  assert bool(jnp.all(jnp.isfinite(y)))
+  np.testing.assert_array_equal(np.asarray(y[1]), 0.0)
+  assert float(jnp.min(jnp.abs(y[0]))) > 0
+
+
 def test_recipe_keeps_norms_out_of_fp8_and_respects_order():
   _, params = _model()
   out = perturb.apply_recipe(params, [("layers.0.*", "bf16"), ("*", "fp8_e4m3:channel")])

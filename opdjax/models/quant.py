@@ -55,7 +55,11 @@ def round_to_format(x_scaled: jax.Array, name: str) -> jax.Array:
 
 
 def absmax_scale(x: jax.Array, name: str, axis=None) -> jax.Array:
-  return jnp.maximum(jnp.max(jnp.abs(x), axis=axis, keepdims=True), jnp.finfo(jnp.float32).tiny) / _qmax(name)
+  """absmax / format max over `axis`, never below the smallest normal fp32. The floor applies after
+  the division: tiny / qmax is subnormal, which XLA flushes to zero, and an all-zero group would
+  then divide 0 by 0. Floored, a zero group quantizes to exact zeros, and a group whose absmax is
+  below qmax * tiny still never saturates."""
+  return jnp.maximum(jnp.max(jnp.abs(x), axis=axis, keepdims=True) / _qmax(name), jnp.finfo(jnp.float32).tiny)
 
 
 @flax.struct.dataclass
