@@ -15,7 +15,7 @@ def get_config():
   c.task.chat_template = True
   c.task.num_eval = 64
   c.model.dtype = "bfloat16"  # matmuls in bf16; params fp32; logits, log-probs and KL fp32
-  c.model.remat = True
+  c.model.remat_policy = "full"  # rematerialise each layer in backward (memory for 1k-token sequences)
   c.rollout.batch_size = 64
   c.rollout.max_new_tokens = 512
   c.rollout.max_len = 1024

@@ -24,12 +24,6 @@ def _split_overrides(extra: list[str]) -> dict[str, str]:
   return out
 
 
-def _summary(records: list[dict]) -> str:
-  first, last = records[0], records[-1]
-  parts = [f"held-out {k} {first[k]:.4f} -> {last[k]:.4f}" for k in ("reverse_kl", "accuracy") if k in last]
-  return "; ".join(parts) + f" over {last['step']} steps"
-
-
 ANALYSES = {
     "sensitivity": ("opdjax.analyses.sensitivity",
                     "rank layers and module kinds by quantization/noise mismatch; FP8 recipe"),
@@ -39,9 +33,32 @@ ANALYSES = {
 }
 
 
-def _error(e: Exception) -> int:
+def _error(e: Exception, code: int = 2) -> int:
   print(f"opdjax: error: {e}", file=sys.stderr)
-  return 2
+  return code
+
+
+OVERRIDES_HELP = """\
+Config: --config FILE names a configs/*.py exporting get_config() (the demo's when absent);
+--config.SECTION.KEY=VALUE changes one key, e.g. --config.train.steps=20
+--config.rollout.view=weights=fp8,lag=1 --config.loss.kind=sampled_rkl. Unknown keys and values of the
+wrong type are errors naming the valid ones; --print-config prints every key with its value and stops.
+"""
+
+
+def _config(args, overrides: dict[str, str]):
+  from opdjax.config.defaults import default_config
+  from opdjax.config.schema import build
+
+  path = getattr(args, "config", None)
+  return build(apply_overrides(load_config_file(path) if path else default_config(), overrides))
+
+
+def _print_config(cfg) -> None:
+  from opdjax.config.schema import flat
+
+  for k, v in flat(cfg.to_dict()).items():
+    print(f"{k} = {v!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,32 +70,42 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
       return _error(e)
 
-  parser = argparse.ArgumentParser(prog="opdjax", description="On-policy distillation in JAX.")
+  fmt = argparse.RawDescriptionHelpFormatter
+  parser = argparse.ArgumentParser(prog="opdjax", description="On-policy distillation in JAX.", epilog=OVERRIDES_HELP,
+                                   formatter_class=fmt)
   sub = parser.add_subparsers(dest="command", required=True)
-  demo = sub.add_parser("demo", help="offline CPU demo: OPD of a small addition student from a cached teacher")
-  demo.add_argument("--out", required=True, help="output folder (metrics.jsonl, config.json, student/)")
-  train = sub.add_parser("train", help="OPD run from a config file")
-  train.add_argument("--config", required=True, help="configs/*.py exporting get_config()")
-  train.add_argument("--out", required=True, help="output folder")
+
+  def command(name, help_, config_required=False, out_required=True, out_help="output folder"):
+    p = sub.add_parser(name, help=help_, description=help_, epilog=OVERRIDES_HELP, formatter_class=fmt)
+    if name != "demo":
+      p.add_argument("--config", required=config_required, help="configs/*.py exporting get_config()"
+                     + ("" if config_required else " (default: the demo's)"))
+    p.add_argument("--out", required=out_required, help=out_help)
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out that holds no run of this command (its own files are replaced,"
+                        " nothing else is touched)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and stop")
+    return p
+
+  demo = command("demo", "offline CPU demo: OPD of a small addition student from a cached teacher",
+                 out_help="output folder (metrics.jsonl, config.json, student/)")
+  train = command("train", "OPD run from a config file", config_required=True)
   for p in (demo, train):
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint in --out to resume from (an --out with one resumes anyway)")
     p.add_argument("--resume-fallback", action="store_true",
                    help="if the latest checkpoint cannot be restored, resume from the previous good one")
-  mismatch = sub.add_parser("mismatch", help="table of every mismatch metric for each engine view (+ attribution)")
-  mismatch.add_argument("--config", required=True, help="configs/*.py; the views are mismatch.sources")
-  mismatch.add_argument("--out", help="folder for mismatch.json")
-  # Analyses from a config (the demo's when --config is absent): each module has
-  # `run(cfg, out_dir) -> results` and `report(results) -> str`.
+  command("mismatch", "table of every mismatch metric for each engine view (+ attribution); views: mismatch.sources",
+          out_required=False, out_help="folder for mismatch.json")
   for name, help_ in ANALYSES.items():
-    p = sub.add_parser(name, help=help_[1])
-    p.add_argument("--config", help="configs/*.py exporting get_config() (default: the demo's)")
-    p.add_argument("--out", required=True, help="output folder (JSON/CSV/markdown + PNG plots)")
-  admit = sub.add_parser("admit", help="screen candidate rollout configs against a calibrated mismatch budget")
+    command(name, help_[1], out_help="output folder (JSON/CSV/markdown + PNG plots)")
+  admit = sub.add_parser("admit", help="screen candidate rollout configs against a calibrated mismatch budget",
+                         epilog="Only --config.admit.KEY=VALUE overrides apply: the rest is the budget's own config.")
   admit.add_argument("--budget", required=True, help="budget.json written by `opdjax calibrate`")
   admit.add_argument("--candidates", required=True,
                      help="a file with one candidate per line: NAME: ENGINE-VIEW (e.g. 'fp8: weights=fp8,lag=1')")
   admit.add_argument("--out", help="folder for admission.json/csv/md and admission.png")
+  admit.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
   sub.add_parser("kv-capacity", add_help=False,
                  help="KV-cache tokens that fit in a memory budget: BF16 vs FP8 KV cache and weights")
   export = sub.add_parser("export", help="a run's checkpointed student as a Hugging Face folder")
@@ -92,62 +119,60 @@ def main(argv: list[str] | None = None) -> int:
   fetch_p.add_argument("--cache-dir", help="cache root (default: $OPDJAX_CACHE or ~/.cache/opdjax)")
   args, extra = parser.parse_known_args(argv)
 
-  if args.command == "models":
+  if args.command in ("models", "export"):
     if extra:
       parser.error(f"unrecognised arguments: {' '.join(extra)}")
-    from opdjax.models.fetch import fetch
     try:
-      print(fetch(args.name, args.cache_dir))
+      if args.command == "models":
+        from opdjax.models.fetch import fetch
+        print(fetch(args.name, args.cache_dir))
+      else:
+        from opdjax.pipeline.checkpoint import export as export_run
+        print(export_run(args.checkpoint, args.out, args.step))
     except (UserError, FileExistsError) as e:
-      print(f"opdjax: error: {e}", file=sys.stderr)
-      return 2
+      return _error(e)
     return 0
-
-  if args.command == "export":
-    from opdjax.pipeline.checkpoint import export as export_run
-    try:
-      print(export_run(args.checkpoint, args.out, args.step))
-    except (UserError, FileExistsError) as e:
-      print(f"opdjax: error: {e}", file=sys.stderr)
-      return 2
-    return 0
-
-  from opdjax.config import defaults as demo_lib  # heavy imports after argument parsing
-  from opdjax.pipeline import loop
 
   try:
     overrides = _split_overrides(extra)
-    config_path = getattr(args, "config", None)
-    if args.command != "admit":  # admit runs on the config stored in its budget.json
-      cfg = apply_overrides(load_config_file(config_path) if config_path else demo_lib.default_config(), overrides)
-    if args.command == "admit":
+    if args.command == "admit":  # admit runs on the config stored in its budget.json
       from opdjax.analyses import admission
+      from opdjax.pipeline.outdir import check_out_dir
+      if args.out:
+        check_out_dir(args.out, "admit", args.overwrite)
       print(admission.report(admission.admit(args.budget, args.candidates, args.out, overrides)))
       return 0
-    if args.command in ANALYSES:
-      import importlib
-      module = importlib.import_module(ANALYSES[args.command][0])
-      run = module.calibrate if args.command == "calibrate" else module.run
-      print(module.report(run(cfg, args.out)))
+    cfg = _config(args, overrides)
+    if args.print_config:
+      _print_config(cfg)
       return 0
+    if args.command in ("train", "demo"):
+      from opdjax.pipeline.run import train as run_train
+      result = run_train(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback,
+                         overwrite=args.overwrite)
+      print(result.summary())
+      print(f"wrote {args.out}/metrics.jsonl and {args.out}/student/")
+      return 0
+    from opdjax.pipeline.outdir import check_out_dir
+    if args.out:
+      check_out_dir(args.out, args.command, args.overwrite)
     if args.command == "mismatch":
       from opdjax.analyses import mismatch as mismatch_run
       print(mismatch_run.format_tables(mismatch_run.run(cfg, args.out)))
       return 0
-    records = loop.run(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback)
+    import importlib
+    module = importlib.import_module(ANALYSES[args.command][0])
+    run = module.calibrate if args.command == "calibrate" else module.run
+    print(module.report(run(cfg, args.out)))
+    return 0
   except (UserError, FileExistsError, FileNotFoundError) as e:
-    print(f"opdjax: error: {e}", file=sys.stderr)
-    return 2
+    return _error(e)
   except OSError as e:  # e.g. a full disk: earlier checkpoints are complete and untouched
     if args.command not in ("train", "demo"):
-      print(f"opdjax: error: {e}", file=sys.stderr)
-      return 1
+      return _error(e, 1)
     print(f"opdjax: error: {e}; the run stopped. Free space and run the same command to resume from the latest"
           " complete checkpoint.", file=sys.stderr)
     return 1
-  print(_summary(records))
-  print(f"wrote {args.out}/metrics.jsonl and {args.out}/student/")
-  return 0
 
 
 if __name__ == "__main__":

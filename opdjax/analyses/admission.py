@@ -34,10 +34,12 @@ from tqdm import tqdm
 
 from opdjax.analyses import reporting
 from opdjax.analyses.mismatch import Measurer, parse_views, warmup_history
-from opdjax.analyses.sweep import Runner, final_quality
+from opdjax.analyses.sweep import final_quality, sweep_config, train_run
+from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
 from opdjax.models.quant import QuantFormat
 from opdjax.pipeline.checkpoint import package_versions
+from opdjax.pipeline.session import Session
 from opdjax.views.view import EngineView
 
 BUDGET_FORMAT = 1
@@ -50,11 +52,6 @@ def require_clean(views: list[EngineView], what: str) -> list[EngineView]:
   return views
 
 
-def check_admit_config(cfg: ml_collections.ConfigDict) -> None:
-  if cfg.admit.bootstrap < 10:
-    raise UserError(f"admit.bootstrap={cfg.admit.bootstrap}: use at least 10 resamples (1000 is the default).")
-  if not 0 < cfg.admit.confidence < 1:
-    raise UserError(f"admit.confidence={cfg.admit.confidence}: give a level in (0, 1), e.g. 0.95.")
 
 
 def family(view: EngineView) -> str:
@@ -84,14 +81,12 @@ def bootstrap_interval(kl_BxL: np.ndarray, mask_BxL: np.ndarray, n: int, confide
 class Calibration:
   """The measurement protocol shared by `calibrate` and `admit`."""
 
-  def __init__(self, runner: Runner, warmup_steps: int, num_prompts: int, seed: int, max_lag: int):
+  def __init__(self, session: Session, warmup_steps: int, num_prompts: int, seed: int, max_lag: int):
     """`max_lag <= warmup_steps`, checked by the caller where the views arrive."""
-    cfg = runner.cfg
     self.protocol = {"warmup_steps": warmup_steps, "num_prompts": num_prompts, "seed": seed}
-    self.state, self.history = warmup_history(cfg, runner.task, runner.student, runner.student_params,
-                                              runner.teacher, runner.teacher_params, warmup_steps, max_lag)
-    self.measurer = Measurer(runner.student, runner.task, runner.sampling, cfg.rollout.max_len)
-    self.prompts = runner.task.eval_set()[0][:num_prompts]
+    self.state, self.history = warmup_history(session, warmup_steps, max_lag)
+    self.measurer = Measurer(session)
+    self.prompts = session.task.eval_set()[0][:num_prompts]
     self.seed = seed
 
   def kl_tokens(self, view: EngineView):
@@ -127,43 +122,61 @@ def fit_budget(points: list[dict], seeds: int, tolerance_sigmas: float, toleranc
   return fit
 
 
-def calibrate(cfg: ml_collections.ConfigDict, out_dir: str, progress: bool = True) -> dict:
+def untrusted(points: list[dict], fit: dict, start: dict) -> str:
+  """Why the calibration cannot be trusted ('' when it can): the clean runs must improve on the
+  starting student by more than the tolerance on every quality metric, or no failure means anything."""
+  clean = next(p for p in points if p["view"] == "clean")
+  for m in fit["metrics"]:
+    gain = QUALITY[m] * (start[m] - float(np.median(clean[m])))
+    if gain <= fit["tolerance"][m]:
+      return (f"the clean runs did not improve {m} beyond the tolerance ({start[m]:.4g} at step 0 -> median"
+              f" {np.median(clean[m]):.4g}; tolerance {fit['tolerance'][m]:.4g})")
+  return ""
+
+
+def calibrate(cfg: Config, out_dir: str, progress: bool = True) -> dict:
   c = cfg.calibrate
   views, max_lag = parse_views(c.views, c.warmup_steps, "calibrate")
   require_clean(views, f"calibrate.views={c.views!r}")
-  check_admit_config(cfg)  # the bootstrap of each point's interval
   if c.seeds < 2:
     raise UserError(f"calibrate.seeds={c.seeds}: the tolerance needs the seed variance; use at least 2 seeds.")
   path = os.path.join(out_dir, "budget.json")
   if os.path.exists(path):
     raise FileExistsError(f"{path} exists; pass a new --out folder (nothing was overwritten).")
   t0 = time.time()
-  runner = Runner(cfg, c.steps, c.eval_every, progress)
-  cal = Calibration(runner, c.warmup_steps, c.num_prompts, c.seed, max_lag)
+  session = Session(sweep_config(cfg, c.steps, c.eval_every), progress=progress)
+  cal = Calibration(session, c.warmup_steps, c.num_prompts, c.seed, max_lag)
   points, curves = [], {}
   for view in tqdm(views, desc="calibrate views", disable=not progress):
     kl, mask = cal.kl_tokens(view)
     mean, lo, hi = bootstrap_interval(kl, mask, cfg.admit.bootstrap, cfg.admit.confidence)
     point = {"view": str(view), "family": family(view), "mismatch": mean, "mismatch_ci": [lo, hi],
              "reverse_kl": [], "accuracy": [], "train_mismatch_kl_k3": []}
-    for s in range(c.seeds):
-      records = runner.train(view, seed=s, desc=f"{view} seed {s}")
+    for s in range(c.seeds):  # seed s is the `opdjax train` run with seed=cfg.seed + s
+      records = train_run(session, view, seed=cfg.seed + s, desc=f"{view} seed {cfg.seed + s}")
+      start = records[0]
       curves[f"{view}|{s}"] = records
       for k, v in final_quality(records).items():
         point[k].append(v)
       point["train_mismatch_kl_k3"].append(float(np.mean([r["mismatch_kl_k3_tok"] for r in records[1:]])))
     points.append(point)
+  session.close()
   fit = fit_budget(points, c.seeds, c.tolerance_sigmas, c.tolerance_rel)
+  why = untrusted(points, fit, start)
+  if why and not c.force:
+    raise UserError(f"no budget written: {why}. Raise calibrate.steps (now {c.steps}) so the clean runs learn,"
+                    " or pass --config.calibrate.force=true to write it anyway.")
   budget = {
       "format": BUDGET_FORMAT,
       "budget": fit["budget"],
       "scale": "token mean of exact KL(engine || trainer) on the calibration batch",
       "fit": fit, "points": points, "protocol": cal.protocol,
-      "student_fingerprint": params_fingerprint(runner.student_params),
+      "warning": why or None,
+      "student_fingerprint": params_fingerprint(session.student_params),
       "config": cfg.to_dict(),
       "provenance": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      "versions": package_versions(), "wall_s": round(time.time() - t0, 1),
-                     "compiled": {**runner.compiled_counts(), **cal.measurer.compiled()}},
+                     "compiled": {**session.compiled_counts(), **cal.measurer.compiled()}},
   }
   os.makedirs(out_dir, exist_ok=True)
   reporting.write_json(os.path.join(out_dir, "curves.json"), curves)
@@ -266,11 +279,11 @@ def admit(budget_path: str, candidates_path: str, out_dir: str | None = None, ov
   if other:
     raise UserError(f"admit runs on the config stored in {budget_path}; only --config.admit.* may be overridden"
                     f" (got {', '.join(other)}). Calibrate again to change the rest.")
-  cfg = apply_overrides(ml_collections.ConfigDict(budget["config"]), overrides or {})
-  check_admit_config(cfg)
+  cfg = build(apply_overrides(ml_collections.ConfigDict(budget["config"]), overrides or {}))
   proto = budget["protocol"]
-  runner = Runner(cfg, steps=1, eval_every=1, progress=False)
-  if params_fingerprint(runner.student_params) != budget["student_fingerprint"]:
+  # The calibration's own session: its warm-up trained with the sweep's schedule.
+  session = Session(sweep_config(cfg, cfg.calibrate.steps, cfg.calibrate.eval_every), progress=False)
+  if params_fingerprint(session.student_params) != budget["student_fingerprint"]:
     raise UserError(f"{budget_path} was calibrated on a different student than this config loads; calibrate again"
                     " for this student.")
   max_lag = max(v.lag for _, v in candidates)
@@ -280,12 +293,12 @@ def admit(budget_path: str, candidates_path: str, out_dir: str | None = None, ov
   capacity = {}
   for name, view in candidates:  # every candidate is checked before the (longer) measurements start
     try:
-      view.model(runner.student)
-      capacity[name] = capacity_for_view(runner.student.cfg, view, cfg.admit.memory_gib)
+      view.model(session.student)
+      capacity[name] = capacity_for_view(session.student.cfg, view, cfg.admit.memory_gib)
     except (UserError, ValueError) as e:
       raise UserError(f"{candidates_path}: candidate {name!r} ({view}): {e}") from None
   t0 = time.time()
-  cal = Calibration(runner, proto["warmup_steps"], proto["num_prompts"], proto["seed"], max_lag)
+  cal = Calibration(session, proto["warmup_steps"], proto["num_prompts"], proto["seed"], max_lag)
   setup_s = time.time() - t0
   rows = []
   for name, view in tqdm(candidates, desc="candidates", disable=not progress):

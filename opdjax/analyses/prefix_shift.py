@@ -34,19 +34,19 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from tqdm import tqdm
 
 from opdjax.analyses import reporting
-from opdjax.analyses.mismatch import parse_views, sampling_params, warmup_history
+from opdjax.analyses.mismatch import parse_views, warmup_history
+from opdjax.config.schema import Config
 from opdjax.models.decoder import Model
-from opdjax.pipeline.build import load_model, make_task
-from opdjax.rollout import JaxEngine, SamplingParams
+from opdjax.pipeline.session import Session
+from opdjax.rollout import SamplingParams
 from opdjax.rollout.base import Rollout
+from opdjax.rollout.cache import EngineCache
 from opdjax.rollout.sampling import sampling_logprobs
 from opdjax.scoring.rescore import TrainBatch, batch_from_rollout, chunked_over_positions
-from opdjax.training.loss import LossConfig
 from opdjax.views.history import ParamsHistory
 from opdjax.views.view import EngineView, ViewTransform
 
@@ -195,20 +195,17 @@ class PrefixShift:
   function takes params as arguments, so sweep points of one view model share one compilation."""
 
   def __init__(self, student: Model, teacher: Model, sampling: SamplingParams, *, max_len: int, pad_id: int,
-               eos_ids, is_threshold: float = 2.0, chunk: int = 128):
+               eos_ids, is_threshold: float = 2.0, chunk: int = 128, engines: EngineCache | None = None,
+               views: ViewTransform | None = None):
     self.student, self.teacher, self.sampling = student, teacher, sampling
-    self.max_len, self.pad_id, self.eos_ids = max_len, pad_id, eos_ids
     self.is_threshold, self.chunk = is_threshold, chunk
-    self._engines: dict = {}
+    self.engines = engines or EngineCache(max_len=max_len, pad_id=pad_id, eos_ids=eos_ids)
     self._signals: dict = {}
-    self.views = ViewTransform(student.cfg.num_layers)
+    self.views = views or ViewTransform(student.cfg.num_layers)
     self.gram = jax.jit(combo_gram)
 
-  def engine(self, vmodel: Model) -> JaxEngine:
-    if vmodel.cfg not in self._engines:
-      self._engines[vmodel.cfg] = JaxEngine(vmodel, None, max_len=self.max_len, pad_id=self.pad_id,
-                                            eos_ids=self.eos_ids)
-    return self._engines[vmodel.cfg]
+  def engine(self, vmodel: Model):
+    return self.engines.get(vmodel)
 
   def signals_fn(self, vmodel: Model):
     if vmodel.cfg not in self._signals:
@@ -221,7 +218,7 @@ class PrefixShift:
   def view_params(self, view: EngineView, history: ParamsHistory):
     """`view.transform` of the lagged params, with sigma a traced argument (one compile for the sweep)."""
     _, params = history.lagged(view.lag)
-    return self.views(view, params, jax.random.fold_in(jax.random.key(view.noise_seed), 0))
+    return self.views(view, params)
 
   def rollout(self, vmodel: Model, params, prompts, seed: int) -> Rollout:
     engine = self.engine(vmodel)
@@ -272,18 +269,18 @@ def family(view: EngineView) -> tuple[str, float | str]:
   return "other", str(view)
 
 
-def run(cfg: ml_collections.ConfigDict, out_dir: str | None = None, progress: bool = True) -> dict:
+def run(cfg: Config, out_dir: str | None = None, progress: bool = True) -> dict:
   pc = cfg.prefix_shift
   views, max_lag = parse_views(pc.views, pc.warmup_steps, "prefix_shift")
-  task = make_task(cfg)
-  teacher, teacher_params = load_model("teacher", cfg, task)
-  student, student_params = load_model("student", cfg, task)
-  sampling = sampling_params(cfg)
-  state, history = warmup_history(cfg, task, student, student_params, teacher, teacher_params, pc.warmup_steps, max_lag)
+  session = Session(cfg, progress=progress)
+  task, student, teacher, teacher_params = session.task, session.student, session.teacher, session.teacher_params
+  sampling = session.sampling
+  state, history = warmup_history(session, pc.warmup_steps, max_lag)
   params = state.params
-  loss_cfg = LossConfig(**cfg.loss)
+  loss_cfg = cfg.loss
   ps = PrefixShift(student, teacher, sampling, max_len=cfg.rollout.max_len, pad_id=task.pad_id, eos_ids=task.eos_ids,
-                   is_threshold=loss_cfg.is_threshold, chunk=loss_cfg.chunk)
+                   is_threshold=loss_cfg.is_threshold, chunk=loss_cfg.chunk, engines=session.engines.jax,
+                   views=session.views)
   prompts = task.eval_set()[0][: pc.num_prompts]
   clean = ps.rollout(student, params, prompts, pc.seed)
   results = {

@@ -44,8 +44,8 @@ def _parse_value(text: str, like):
     return text
   try:
     value = ast.literal_eval(text)
-  except (ValueError, SyntaxError) as e:
-    raise ConfigError(f"cannot parse {text!r}") from e
+  except (ValueError, SyntaxError):
+    raise ConfigError(f"cannot parse {text!r} as {type(like).__name__}") from None
   if isinstance(like, float) and isinstance(value, int):
     value = float(value)
   if like is not None and not isinstance(value, type(like)):

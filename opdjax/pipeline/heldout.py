@@ -6,6 +6,7 @@ import functools
 
 import jax
 
+from opdjax import seeds
 from opdjax.models import Model
 from opdjax.rollout import JaxEngine, Rollout, SamplingParams
 from opdjax.scoring.rescore import batch_from_rollout
@@ -23,7 +24,7 @@ class HeldOut:
                                           loss_cfg=LossConfig(kind="full_rkl", chunk=chunk)))
     self.engine = JaxEngine(student, None, **engine_kw)
     self.prompts, self.refs = task.eval_set()
-    self.task, self.sampling, self.seed = task, sampling, seed
+    self.task, self.sampling, self.seed = task, sampling, seeds.derive(seed, 0, "eval")
     self.greedy = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
 
   def __call__(self, params, teacher_params, version: int = 0) -> tuple[dict, Rollout]:

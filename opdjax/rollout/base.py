@@ -101,8 +101,8 @@ class RolloutEngine(abc.ABC):
   def params_version(self) -> int:
     ...
 
-  def close(self) -> None:
-    """Releases what the engine holds; the default holds nothing beyond Python objects."""
+  def close(self) -> None:  # noqa: B027 -- optional: most engines hold only Python objects
+    """Releases what the engine holds (a server it started, caches)."""
 
   def check_view(self, view) -> None:
     """One error naming the view fields this engine cannot realise."""

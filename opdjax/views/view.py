@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from opdjax import seeds
 from opdjax.errors import UserError
 from opdjax.models import quant
 from opdjax.models.decoder import Model
@@ -104,12 +105,15 @@ class EngineView:
       return perturb.parse_recipe(self.weights)
     return perturb.preset(self.weights, num_layers, self.keep_edge_layers)
 
-  def transform(self, params, num_layers: int, noise_step: int = 0, pack: bool = False):
+  def noise_key(self, seed: int, version: int) -> jax.Array:
+    """The noise draw of params `version` in a run with `seed` (opdjax.seeds' one rule)."""
+    return seeds.key(seed, version, "noise", self.noise_seed)
+
+  def transform(self, params, num_layers: int, version: int = 0, pack: bool = False, seed: int = 0):
     """Noise then quantization of (already lagged) params; jit-able, pure. With `pack`, FP8/INT8
     matrices stay quantized (`quant.QArray`) for an engine that dequantizes on the fly."""
     if self.noise_sigma > 0:
-      key = jax.random.fold_in(jax.random.key(self.noise_seed), noise_step)
-      params = perturb.add_weight_noise(params, key, self.noise_sigma)
+      params = perturb.add_weight_noise(params, self.noise_key(seed, version), self.noise_sigma)
     recipe = self.recipe(num_layers)
     if recipe is not None:
       params = perturb.apply_recipe(params, recipe, pack=pack)
@@ -117,23 +121,24 @@ class EngineView:
 
 
 class ViewTransform:
-  """Params as an engine view's engine holds them, compiled once for every sweep point: the noise
-  transform takes sigma as a traced argument, and each distinct recipe compiles once. The caller
-  picks the noise draw with `key` (the same key and sigma give `EngineView.transform`'s noise)."""
+  """The one view -> engine params function: params as a view's engine holds them, compiled once
+  for every sweep point (sigma is a traced argument; each distinct recipe compiles once per packing).
+  `ViewTransform(n)(view, params, version, seed, pack)` equals `view.transform(params, n, version,
+  pack, seed)`."""
 
-  def __init__(self, num_layers: int, pack: bool = False):
-    self.num_layers, self.pack = num_layers, pack
+  def __init__(self, num_layers: int):
+    self.num_layers = num_layers
     self._noise = jax.jit(lambda p, key, sigma: perturb.add_weight_noise(p, key, sigma))
     self._recipes: dict = {}
 
-  def __call__(self, view: EngineView, params, key: jax.Array):
+  def __call__(self, view: EngineView, params, version: int = 0, seed: int = 0, pack: bool = False):
     if view.noise_sigma > 0:
-      params = self._noise(params, key, jnp.float32(view.noise_sigma))
+      params = self._noise(params, view.noise_key(seed, version), jnp.float32(view.noise_sigma))
     recipe = view.recipe(self.num_layers)
     if recipe is not None:
-      recipe = tuple(tuple(r) for r in recipe)
+      recipe = (tuple(tuple(r) for r in recipe), pack)
       if recipe not in self._recipes:
-        self._recipes[recipe] = jax.jit(lambda p, r=recipe: perturb.apply_recipe(p, r, pack=self.pack))
+        self._recipes[recipe] = jax.jit(lambda p, r=recipe[0]: perturb.apply_recipe(p, r, pack=pack))
       params = self._recipes[recipe](params)
     return params
 

@@ -1,0 +1,210 @@
+"""`opdjax train`: one OPD run into an output folder, resumable.
+
+Checks --out before creating anything; resumes from the latest checkpoint with the config it was
+written with (changes that alter what the run means are refused, listing the keys; changes that only
+extend or observe it are allowed, printed and recorded in OUT/config_history.jsonl); then runs the
+loop with its hooks and writes the student as an HF folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from opdjax.config.schema import Config, flat
+from opdjax.errors import UserError
+from opdjax.models.fetch import resolve
+from opdjax.pipeline import hooks as H
+from opdjax.pipeline.checkpoint import TOKENIZER_FILES, RunCheckpointer, package_versions
+from opdjax.pipeline.loop import Loop, run_loop
+from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
+from opdjax.pipeline.session import Session
+from opdjax.training.step import TrainState
+from opdjax.views.view import EngineView
+
+# Keys a resumed run may change: they extend it (more steps) or only observe it.
+RESUMABLE = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
+             "train.best_metric", "train.tensorboard", "rollout.vllm.url", "rollout.vllm.api_key",
+             "rollout.vllm.python", "rollout.vllm.gpu_memory_utilization", "rollout.vllm.cpu_kvcache_gib",
+             "rollout.vllm.enforce_eager", "rollout.vllm.extra_args",
+             "mismatch.", "sensitivity.", "prefix_shift.", "calibrate.", "admit.")
+
+
+@dataclasses.dataclass
+class TrainResult:
+  records: list[dict]  # this invocation's records (step 0 included for a fresh run)
+  start_step: int
+  final_step: int
+  resumed: bool
+  config_changes: dict
+
+  def summary(self) -> str:
+    if self.final_step == self.start_step:
+      return f"the run was already complete at step {self.final_step}; nothing ran (raise train.steps to extend it)"
+    first, last = self.records[0], self.records[-1]
+    verb = f"resumed at step {self.start_step}, ran to" if self.resumed else "ran"
+    parts = [f"held-out {k} {first[k]:.4f} -> {last[k]:.4f}" for k in ("reverse_kl", "accuracy")
+             if k in first and k in last]
+    return f"{verb} step {self.final_step}: " + "; ".join(parts)
+
+
+def config_changes(old: dict, new: dict) -> tuple[dict, dict]:
+  """(refused, allowed) changes between a checkpoint's config and the new one: {key: (old, new)}."""
+  a, b = flat(old), flat(new)
+  diff = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+  allowed = {k: v for k, v in diff.items() if k in RESUMABLE or k.startswith(tuple(p for p in RESUMABLE
+                                                                                   if p.endswith(".")))}
+  return {k: v for k, v in diff.items() if k not in allowed}, allowed
+
+
+def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = False, overwrite: bool = False,
+          progress: bool = True) -> TrainResult:
+  """OPD for `cfg.train.steps` steps into `out_dir`. `resume`: auto (resume when out_dir has a
+  checkpoint), require (error if it has none) or never. `fallback`: when the latest checkpoint cannot
+  be restored, use the previous good one."""
+  ckpt_dir = os.path.join(out_dir, "checkpoints")
+  ours = is_run_dir(out_dir)
+  check_out_dir(out_dir, "train", overwrite, own=ours)
+  has_ckpt = os.path.isdir(os.path.join(ckpt_dir, "latest")) and any(
+      d.isdigit() for d in os.listdir(os.path.join(ckpt_dir, "latest")))
+  resuming = resume != "never" and has_ckpt
+  if resume == "require" and not resuming:
+    raise UserError(f"--resume: no checkpoint under {ckpt_dir}.")
+  if has_ckpt and resume == "never":
+    raise UserError(f"{out_dir} already holds a run's checkpoints; pass a new --out folder.")
+  session = Session(cfg, out_dir, progress)  # loads models: errors about them come before any write
+  try:
+    return _train(session, out_dir, ckpt_dir, resuming, fallback, progress)
+  finally:
+    session.close()
+
+
+def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallback: bool,
+           progress: bool) -> TrainResult:
+  cfg = session.cfg
+  view = EngineView.parse(cfg.rollout.view)
+  state, start, last_eval, history, changes = None, 0, None, None, {}
+  if resuming:
+    state = TrainState.create(jax.tree.map(jnp.copy, session.student_params), session.optimizer())
+    ckpt = RunCheckpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, best_metric=cfg.train.best_metric)
+    try:
+      start, state, last_eval, history, old_cfg = _resume(ckpt, state, session, fallback)
+    except BaseException:
+      ckpt.close()
+      raise
+    refused, changes = config_changes(old_cfg, cfg.to_dict())
+    if refused:
+      ckpt.close()
+      listed = "; ".join(f"{k}: {a!r} in the run, {b!r} now" for k, (a, b) in list(refused.items())[:8])
+      raise UserError(f"{out_dir} holds a run with another config ({listed}). These change what the run means;"
+                      " resume with the config it was written with, or pass a new --out folder. Nothing was"
+                      " overwritten.")
+    for k, (a, b) in changes.items():
+      print(f"opdjax: resuming with {k} changed: {a!r} -> {b!r}", file=sys.stderr)
+  else:
+    mark_run_dir(out_dir)
+    ckpt = RunCheckpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, best_metric=cfg.train.best_metric)
+    _write_json(os.path.join(out_dir, "config.json"), cfg.to_dict())
+  _append_history(out_dir, cfg, start, changes, resuming)
+
+  def meta(loop: Loop, step: int) -> dict:
+    h = loop.sampler.history
+    return {"step": step, "last_eval": loop.last_eval, "config": cfg.to_dict(),
+            "student_config": session.student.cfg.to_hf_dict(), "history_versions": h.versions if h else [],
+            "engine": {"kind": cfg.rollout.engine, "view": str(view), "sampling": dataclasses.asdict(session.sampling)},
+            "teacher_view": str(session.teacher_view), "params_version": step, "versions": package_versions()}
+
+  fault = H.FaultHook()
+  hooks = [H.EvalHook(cfg.train.eval_every), fault, H.JsonlWriter(os.path.join(out_dir, "metrics.jsonl"),
+                                                                   start if resuming else -1)]
+  if cfg.train.tensorboard:
+    hooks.append(H.TensorBoardWriter(os.path.join(out_dir, "tensorboard")))
+  hooks += [H.NonFiniteHook(cfg.train.on_nonfinite, ckpt), H.Progress("OPD", progress),
+            H.CheckpointHook(ckpt, cfg.train.checkpoint_every, meta, fault)]
+  if start >= cfg.train.steps:
+    ckpt.close()
+    loop_records, final_state = [], state
+  else:
+    loop = run_loop(session, view=view, seed=cfg.seed, steps=cfg.train.steps, hooks=hooks, state=state,
+                    history=history, start=start, last_eval=last_eval)
+    loop_records, final_state = loop.records, loop.state
+  if resuming and loop_records and last_eval:
+    loop_records = [{"step": start, **last_eval}, *loop_records]
+  _export(session, final_state.params, os.path.join(out_dir, "student"), overwrite=bool(loop_records))
+  return TrainResult(loop_records, start, max(start, cfg.train.steps), resuming, changes)
+
+
+def _export(session: Session, params, folder: str, overwrite: bool) -> None:
+  """The trained student as an HF folder, with the tokenizer files of the model folder it came from."""
+  if overwrite and os.path.isdir(folder):
+    shutil.rmtree(folder)  # our own export of an earlier, shorter invocation of this run
+  extra = {}
+  cfg = session.cfg
+  src = cfg.student.path or cfg.teacher.path
+  src = resolve(src) if src else ""
+  for name in TOKENIZER_FILES:
+    if src and os.path.exists(os.path.join(src, name)):
+      with open(os.path.join(src, name)) as f:
+        extra[name] = f.read()
+  session.export_student(params, folder, extra)
+
+
+def _write_json(path: str, obj) -> None:
+  with open(path + ".tmp", "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(path + ".tmp", path)
+
+
+def _append_history(out_dir: str, cfg: Config, start: int, changes: dict, resumed: bool) -> None:
+  entry = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "start_step": start,
+           "resumed": resumed, "changes": {k: list(v) for k, v in changes.items()}}
+  if not resumed:
+    entry["config"] = cfg.to_dict()
+  with open(os.path.join(out_dir, "config_history.jsonl"), "a") as f:
+    f.write(json.dumps(entry) + "\n")
+
+
+def _resume(ckpt: RunCheckpointer, state, session: Session, fallback: bool):
+  """(step, state, last_eval, (versions, params history), config) from the newest checkpoint that restores."""
+  steps = sorted(ckpt.all_steps(), reverse=True)
+  for path in ckpt.incomplete():
+    print(f"opdjax: skipping incomplete checkpoint {path} (a save that never finished)", file=sys.stderr)
+  if not steps:
+    raise UserError(f"{ckpt.directory} has no complete checkpoint to resume from.")
+  errors = []
+  student_cfg = session.student.cfg.to_hf_dict()
+  for step in steps:
+    try:
+      meta = ckpt.read_meta(step)
+      if meta["student_config"] != student_cfg:
+        diff = _dict_diff(meta["student_config"], student_cfg)
+        raise UserError(f"checkpoint step {step} in {ckpt.directory} is of a different student model ({diff});"
+                        " resume with the config it was written with, or pass a new --out folder. Nothing was"
+                        " overwritten.")
+      target = {"train": state, "history": [state.params] * len(meta["history_versions"])}
+      tree, meta = ckpt.restore(step, target)
+    except UserError as e:
+      if not fallback or "different student model" in str(e):
+        if len(steps) > 1 and "different student model" not in str(e):
+          raise UserError(f"{e} Pass --resume-fallback to resume from the previous good checkpoint"
+                          f" (steps {', '.join(map(str, steps[1:]))}).") from None
+        raise
+      errors.append(str(e))
+      continue
+    if errors:
+      print("opdjax: skipped unreadable checkpoints: " + " | ".join(errors), file=sys.stderr)
+    history = (meta["history_versions"], tree["history"])
+    return step, tree["train"], meta["last_eval"], history, meta["config"]
+  raise UserError("no checkpoint could be restored: " + " | ".join(errors))
+
+
+def _dict_diff(a: dict, b: dict) -> str:
+  keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+  return ", ".join(f"{k}: {a.get(k)} in the checkpoint, {b.get(k)} now" for k in keys[:4])

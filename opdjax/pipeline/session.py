@@ -1,0 +1,147 @@
+"""What every run of a config shares, built once: the task, the teacher and student, the compiled
+train steps, the engines (one per engine-view model), the view -> engine-params transform and the
+held-out evaluation. `opdjax train` makes one Session for one run; the sweeps make one for many
+runs (views x seeds), so nothing compiles twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+
+from opdjax.config.schema import Config
+from opdjax.errors import UserError
+from opdjax.models import Model, save_hf_params
+from opdjax.pipeline.build import load_model, make_task
+from opdjax.pipeline.heldout import HeldOut
+from opdjax.rollout import RolloutEngine
+from opdjax.rollout.cache import EngineCache
+from opdjax.scoring.mismatch import exact_kl
+from opdjax.scoring.rescore import batch_from_rollout, masked_mean
+from opdjax.training.step import make_optimizer, make_train_step
+from opdjax.views.view import EngineView, ViewTransform
+
+ALGOS = ("opd", "grpo")
+
+
+class EnginePool:
+  """One engine per engine-view model (compute dtype, KV and activation rounding): views that differ
+  only in weights, noise or lag share an engine and its compiled decode loop. With
+  rollout.engine='vllm', one vLLM engine serves every view it can realise."""
+
+  def __init__(self, cfg: Config, student: Model, student_params, task, out_dir: str | None):
+    self.cfg, self.student, self.student_params, self.task, self.out_dir = cfg, student, student_params, task, out_dir
+    self.jax = EngineCache(max_len=cfg.rollout.max_len, pad_id=task.pad_id, eos_ids=task.eos_ids)
+    self._engines: dict = {}
+
+  def get(self, view: EngineView) -> RolloutEngine:
+    if self.cfg.rollout.engine == "jax":
+      engine = self.jax.get(view.model(self.student))
+    else:
+      if "vllm" not in self._engines:
+        self._engines["vllm"] = self._vllm()
+      engine = self._engines["vllm"]
+    engine.check_view(view)
+    return engine
+
+  def _vllm(self) -> RolloutEngine:
+    from opdjax.rollout.vllm import make_vllm_engine
+
+    if self.out_dir is None:
+      raise UserError("rollout.engine='vllm' needs an output folder for the server's log and weights.")
+    r = self.cfg.rollout
+    return make_vllm_engine(r.vllm, self.student.cfg, self.student_params, max_len=r.max_len,
+                            batch_size=r.batch_size, max_new_tokens=r.max_new_tokens, pad_id=self.task.pad_id,
+                            eos_ids=self.task.eos_ids, out_dir=self.out_dir)
+
+  def close(self) -> None:
+    for engine in self._engines.values():
+      engine.close()
+    self._engines.clear()
+    self.jax.close()
+
+
+class Session:
+  def __init__(self, cfg: Config, out_dir: str | None = None, progress: bool = True):
+    self.cfg, self.out_dir, self.progress = cfg, out_dir, progress
+    self.task = make_task(cfg)
+    self.clean_teacher, self.clean_teacher_params = load_model("teacher", cfg, self.task)
+    self.student, self.student_params = load_model("student", cfg, self.task)
+    self.sampling = cfg.rollout.sampling
+    self.views = ViewTransform(self.student.cfg.num_layers)
+    self.teacher_view = EngineView.parse(cfg.teacher.view)
+    self.teacher, self.teacher_params = self.clean_teacher, self.clean_teacher_params
+    if self.teacher_view != EngineView():  # score with a perturbed teacher; its own mismatch is reported
+      self.teacher = self.teacher_view.model(self.clean_teacher)
+      self.teacher_params = ViewTransform(self.teacher.cfg.num_layers)(self.teacher_view, self.clean_teacher_params)
+      self._teacher_kl = jax.jit(lambda qp, cp, b: masked_mean(
+          exact_kl(self.teacher, qp, self.clean_teacher, cp, b), b["loss_mask"]))
+    self.engines = EnginePool(cfg, self.student, self.student_params, self.task, out_dir)
+    self.held_out = HeldOut(self.student, self.teacher, self.task, self.sampling, cfg.loss.chunk, cfg.seed,
+                            {"max_len": cfg.rollout.max_len, "pad_id": self.task.pad_id,
+                             "eos_ids": self.task.eos_ids})
+    self._steps: dict = {}
+    self._optimizers: dict = {}
+
+  # --- compiled pieces, built on first use ---
+
+  def optimizer(self, algo: str = "opd"):
+    if algo not in self._optimizers:
+      optim = self.cfg.optim
+      if algo == "grpo" and self.cfg.grpo.learning_rate:
+        optim = dataclasses.replace(optim, learning_rate=self.cfg.grpo.learning_rate)
+      self._optimizers[algo] = make_optimizer(optim)
+    return self._optimizers[algo]
+
+  def train_step(self, algo: str = "opd"):
+    if algo not in ALGOS:
+      raise UserError(f"algo={algo!r}; choose one of {', '.join(ALGOS)}.")
+    if algo not in self._steps:
+      skip = self.cfg.train.on_nonfinite == "skip"
+      if algo == "opd":
+        self._steps[algo] = make_train_step(self.student, self.teacher, self.cfg.loss, self.optimizer(algo),
+                                            skip_nonfinite=skip, sampling=self.sampling)
+      else:
+        from opdjax.training import grpo
+
+        self._steps[algo] = grpo.make_grpo_step(self.student, self.grpo_config(), self.optimizer(algo),
+                                                skip_nonfinite=skip)
+    return self._steps[algo]
+
+  def grpo_config(self):
+    from opdjax.training import grpo
+
+    g = self.cfg.grpo
+    return grpo.GrpoConfig(group_size=g.group_size, normalize_std=g.normalize_std, is_correction=g.is_correction,
+                           is_threshold=g.is_threshold, chunk=self.cfg.loss.chunk,
+                           temperature=self.cfg.rollout.temperature or 1.0)
+
+  def engine_params(self, engine: RolloutEngine, view: EngineView, params, version: int, seed: int):
+    """The params `engine` samples with for `view` (already lagged): noise of this version, then the
+    weight recipe, packed when the engine multiplies quantized matrices itself."""
+    if view == EngineView(lag=view.lag):
+      return params
+    return self.views(view, params, version, seed, pack=engine.capabilities.packed_weights)
+
+  def evaluate(self, params, version: int = 0) -> dict[str, float]:
+    out, r = self.held_out(params, self.teacher_params, version)
+    if self.teacher is not self.clean_teacher:  # the scoring teacher's own mismatch, on the same scale
+      out["teacher_mismatch_exact_kl"] = float(
+          self._teacher_kl(self.teacher_params, self.clean_teacher_params, batch_from_rollout(r)))
+    return out
+
+  def compiled_counts(self) -> dict[str, int]:
+    """How many times each jitted function compiled (tests check sweeps do not add to these)."""
+    out = {f"step_{k}": f._cache_size() for k, f in self._steps.items()}
+    out.update(self.views.compiled())
+    out["eval_loss"] = self.held_out.loss._cache_size()
+    return out
+
+  def export_student(self, params, folder: str, extra_files: dict | None = None) -> None:
+    if not os.path.exists(folder):
+      save_hf_params(params, self.student.cfg.replace(dtype="float32"), folder, extra_files=extra_files)
+
+  def close(self) -> None:
+    self.engines.close()

@@ -1,0 +1,26 @@
+"""One JAX engine per engine-view model: views that differ only in the params they sync (weights,
+noise, lag) share an engine and its compiled decode loop. The one engine cache of opdjax: the
+pipeline's EnginePool and the analyses use it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from opdjax.models.decoder import Model
+from opdjax.rollout.jax_engine import JaxEngine
+
+
+class EngineCache:
+  def __init__(self, *, max_len: int, pad_id: int, eos_ids: Sequence[int]):
+    self.max_len, self.pad_id, self.eos_ids = max_len, pad_id, tuple(eos_ids)
+    self._engines: dict = {}
+
+  def get(self, model: Model) -> JaxEngine:
+    if model.cfg not in self._engines:
+      self._engines[model.cfg] = JaxEngine(model, None, max_len=self.max_len, pad_id=self.pad_id, eos_ids=self.eos_ids)
+    return self._engines[model.cfg]
+
+  def close(self) -> None:
+    for e in self._engines.values():
+      e.close()
+    self._engines.clear()
