@@ -18,10 +18,12 @@ import sys
 import numpy as np
 
 from opdjax.analyses import admission, reporting
-from opdjax.analyses.sweep import Runner, stability
+from opdjax.analyses.sweep import stability, sweep_config, train_run
 from opdjax.cli import _split_overrides
 from opdjax.config.defaults import default_config
 from opdjax.config.loader import apply_overrides, load_config_file
+from opdjax.config.schema import build
+from opdjax.pipeline.session import Session
 from opdjax.views.view import EngineView
 
 VIEWS = "clean;noise_sigma=0.2;noise_sigma=0.8;lag=4;lag=32"
@@ -43,15 +45,15 @@ def main(argv=None) -> int:
   ap.add_argument("--algos", default="opd,grpo")
   args, extra = ap.parse_known_args(argv)
   base = load_config_file(args.config) if args.config else default_config()
-  cfg = apply_overrides(base, _split_overrides(DEFAULTS + extra))
+  cfg = sweep_config(build(apply_overrides(base, _split_overrides(DEFAULTS + extra))), args.steps, args.eval_every)
   views = admission.require_clean([EngineView.parse(v) for v in args.views.split(";")], f"--views={args.views!r}")
-  runner = Runner(cfg, args.steps, args.eval_every)
+  runner = Session(cfg)
   algos = args.algos.split(",")
   runs, rows = {}, []
   for view in views:
     for algo in algos:
       for seed in range(args.seeds):
-        records = runner.train(view, seed, algo, desc=f"{algo} {view} seed {seed}")
+        records = train_run(runner, view, cfg.seed + seed, algo, desc=f"{algo} {view} seed {seed}")
         runs[f"{algo}|{view}|{seed}"] = records
         st = stability(records)
         last = records[-1]
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
         print(reporting.markdown_table([rows[-1]]), flush=True)
   os.makedirs(args.out, exist_ok=True)
   result = {"views": [str(v) for v in views], "algos": algos, "steps": args.steps, "seeds": args.seeds,
-            "grpo": cfg.grpo.to_dict(), "optim": cfg.optim.to_dict(), "rows": rows, "runs": runs,
+            "grpo": cfg.to_dict()["grpo"], "optim": cfg.to_dict()["optim"], "rows": rows, "runs": runs,
             "compiled": runner.compiled_counts(),
             "stability_rule": ("collapse: final held-out accuracy < 0.5 x its best (best > 0.1) or a non-finite"
                                " step; spike: grad norm > 5 x the median of the previous 20 steps")}

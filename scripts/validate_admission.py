@@ -17,13 +17,14 @@ import os
 import sys
 import time
 
-import ml_collections
 import numpy as np
 
 from opdjax.analyses import admission, reporting
-from opdjax.analyses.sweep import Runner, final_quality
+from opdjax.analyses.sweep import final_quality, sweep_config, train_run
 from opdjax.config.defaults import default_config
 from opdjax.config.loader import apply_overrides, load_config_file
+from opdjax.config.schema import build
+from opdjax.pipeline.session import Session
 from opdjax.views.view import EngineView
 
 CANDIDATES = """\
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
       print(f"using the calibration in {budget_path}")
     else:
       base = load_config_file(args.config) if args.config else default_config()
-      admission.calibrate(apply_overrides(base, _split_overrides(extra)), os.path.dirname(budget_path))
+      admission.calibrate(build(apply_overrides(base, _split_overrides(extra))), os.path.dirname(budget_path))
   budget = admission.load_budget(budget_path)
   cands_path = args.candidates or os.path.join(args.out, "candidates.txt")
   if not args.candidates:
@@ -65,16 +66,17 @@ def main(argv=None) -> int:
   adm = admission.admit(budget_path, cands_path, os.path.join(args.out, "admission"))
   print(admission.report(adm))
 
-  cfg = ml_collections.ConfigDict(budget["config"])
+  cfg = build(budget["config"])
   c = cfg.calibrate
-  runner = Runner(cfg, c.steps, c.eval_every)
+  runner = Session(sweep_config(cfg, c.steps, c.eval_every))
   fit = budget["fit"]
   clean = next(p for p in budget["points"] if p["view"] == "clean")
   rows = []
   for cand in adm["candidates"]:
     view = EngineView.parse(cand["view"])
     t0 = time.time()
-    finals = [final_quality(runner.train(view, seed=s, desc=f"{cand['name']} seed {s}")) for s in range(c.seeds)]
+    finals = [final_quality(train_run(runner, view, seed=cfg.seed + s, desc=f"{cand['name']} seed {s}"))
+              for s in range(c.seeds)]
     train_s = time.time() - t0
     row = {"name": cand["name"], "view": cand["view"], "mismatch": cand["mismatch"], "ci_high": cand["ci_high"],
            "verdict": cand["verdict"]}

@@ -6,9 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from opdjax.analyses.sweep import Runner, stability
+from opdjax.analyses.sweep import stability, sweep_config, train_run
 from opdjax.config.defaults import default_config
+from opdjax.config.schema import build
 from opdjax.errors import UserError
+from opdjax.pipeline.session import Session
 from opdjax.views.view import EngineView
 
 
@@ -35,26 +37,32 @@ def test_stability_counts_spikes_and_collapse():
   assert stability(bad).collapsed and stability(bad).nonfinite_steps == 1
 
 
-@pytest.fixture(scope="module")
-def runner(demo_cache):
+def _config(**grpo):
   cfg = default_config()
   cfg.task.num_eval = 16
   cfg.rollout.batch_size = 16
   cfg.grpo.group_size = 4
-  return Runner(cfg, steps=3, eval_every=2, progress=False)
+  cfg.grpo.update(grpo)
+  return sweep_config(build(cfg), steps=3, eval_every=2)
+
+
+@pytest.fixture(scope="module")
+def runner(demo_cache):
+  return Session(_config(), progress=False)
 
 
 def test_noise_is_seeded_per_run_and_version(runner):
   view = EngineView(noise_sigma=0.1)
   p = runner.student_params
-  a, b = runner.engine_params(view, p, 3, seed=0), runner.engine_params(view, p, 3, seed=0)
-  c, d = runner.engine_params(view, p, 4, seed=0), runner.engine_params(view, p, 3, seed=1)
-  leaf = lambda t: np.asarray(t["layers_0"]["mlp"]["down_proj"]["kernel"])
+  engine = runner.engines.get(view)
+  a, b = runner.engine_params(engine, view, p, 3, seed=0), runner.engine_params(engine, view, p, 3, seed=0)
+  c, d = runner.engine_params(engine, view, p, 4, seed=0), runner.engine_params(engine, view, p, 3, seed=1)
+  leaf = lambda t: np.asarray(t["layers"]["mlp"]["down_proj"]["kernel"][0])
   np.testing.assert_array_equal(leaf(a), leaf(b))
   assert not np.array_equal(leaf(a), leaf(c)) and not np.array_equal(leaf(a), leaf(d))
   rel = np.std(leaf(a) - leaf(p)) / np.sqrt(np.mean(leaf(p) ** 2))
   np.testing.assert_allclose(rel, 0.1, rtol=0.15)
-  assert runner.engine_params(EngineView(), p, 3, seed=0) is p  # the clean view is the trainer's params
+  assert runner.engine_params(engine, EngineView(), p, 3, seed=0) is p  # the clean view is the trainer's params
 
 
 @pytest.mark.slow
@@ -62,9 +70,9 @@ def test_opd_and_grpo_runs_reuse_one_compiled_step(runner):
   start = jax.tree.map(np.asarray, runner.student_params)
   for view in (EngineView(), EngineView(noise_sigma=0.6, lag=1)):
     for algo in ("opd", "grpo"):
-      recs = runner.train(view, seed=0, algo=algo)
+      recs = train_run(runner, view, seed=0, algo=algo)
       assert [r["step"] for r in recs] == [0, 1, 2, 3]
-      assert "accuracy" in recs[2] and "accuracy" in recs[3] and "accuracy" not in recs[1]
+      assert [r.get("eval_step") for r in recs[1:]] == [None, 2, 3]  # evaluated at step 2 and at the end
       assert all(np.isfinite(r["grad_norm"]) for r in recs[1:])
       assert recs[-1]["params_lag"] == view.lag
       if view.noise_sigma:
@@ -78,14 +86,11 @@ def test_opd_and_grpo_runs_reuse_one_compiled_step(runner):
 
 
 def test_grpo_needs_whole_groups_and_a_known_algo(runner):
-  runner.cfg.grpo.group_size = 5  # 16 completions are not whole groups of 5
-  try:
-    with pytest.raises(UserError, match="multiple of grpo.group_size"):
-      runner.train(EngineView(), seed=0, algo="grpo")
-  finally:
-    runner.cfg.grpo.group_size = 4
+  odd = Session(_config(group_size=5), progress=False)  # 16 completions are not whole groups of 5
+  with pytest.raises(UserError, match="multiple of grpo.group_size"):
+    train_run(odd, EngineView(), seed=0, algo="grpo")
   with pytest.raises(UserError, match="algo"):
-    runner.train(EngineView(), seed=0, algo="ppo")
+    runner.train_step("ppo")
 
 
 @pytest.mark.slow

@@ -1,0 +1,170 @@
+"""The one OPD pipeline: typed config, --out safety, config changes on resume, TensorBoard events,
+the seed rule, and the sweeps running the loop `opdjax train` runs."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from opdjax import cli, seeds
+from opdjax.analyses.sweep import sweep_config, train_run
+from opdjax.config.defaults import default_config
+from opdjax.config.loader import ConfigError, apply_overrides, load_config_file
+from opdjax.config.schema import Config, build, flat
+from opdjax.pipeline.session import Session
+from opdjax.views.view import EngineView
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+SMALL = ["--config.task.num_eval=16", "--config.rollout.batch_size=16"]
+
+
+def _train(out, *extra):
+  return cli.main(["train", "--config", "configs/demo.py", "--out", str(out), *SMALL, *extra])
+
+
+def _records(out):
+  return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+# --- typed config ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_shipped_config_builds_completely(path, tmp_path):
+  overrides = {}
+  if "qwen3" in path:  # paths come from the command line; give real folders and files
+    for role in ("teacher", "student"):
+      (tmp_path / role).mkdir()
+      overrides[f"{role}.path"] = str(tmp_path / role)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    overrides["task.path"] = str(tmp_path / "p.jsonl")
+  cfg = build(apply_overrides(load_config_file(path), overrides))
+  assert isinstance(cfg, Config)
+  assert set(flat(cfg.to_dict())) == set(flat(Config().to_dict()))  # every key, typed
+  assert build(cfg.to_dict()) == cfg  # what config.json records rebuilds the same config
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("rollout.view", "weights=fp9", "rollout.view: unknown recipe preset 'fp9'"),
+    ("rollout.engine", "sglang", "rollout.engine='sglang'; choose one of 'jax', 'vllm'"),
+    ("teacher.view", "lag=2", "teacher.view cannot have a lag"),
+    ("train.on_nonfinite", "ignore", "train.on_nonfinite='ignore'; choose one of 'halt', 'skip'"),
+    ("mismatch.sources", "clean;kv_quant=int4", "mismatch.sources: kv_quant='int4'"),
+    ("model.remat_policy", "some", "model.remat_policy='some'; choose one of 'nothing', 'dots', 'full'"),
+    ("loss.kind", "kl_typo", "loss.kind='kl_typo'; choose one of"),
+    ("rollout.max_new_tokens", "40", "rollout.max_len=32 must exceed rollout.max_new_tokens=40"),
+    ("teacher.path", "/nonexistent/folder", "teacher.path='/nonexistent/folder' is not a folder"),
+])
+def test_bad_values_are_one_error_naming_the_key(key, value, match):
+  with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace(")", r"\)")):
+    build(apply_overrides(default_config(), {key: value}))
+
+
+def test_bad_override_type_names_the_expected_type(tmp_path, capsys):
+  assert _train(tmp_path / "x", "--config.train.steps=ten") == 2
+  assert "--config.train.steps: cannot parse 'ten' as int" in capsys.readouterr().err
+  assert not os.path.exists(tmp_path / "x")
+
+
+def test_print_config_lists_every_key(tmp_path, capsys):
+  assert cli.main(["calibrate", "--out", str(tmp_path / "c"), "--print-config", "--config.calibrate.seeds=4"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == len(flat(Config().to_dict()))
+  assert "calibrate.seeds = 4" in lines and "rollout.vllm.extra_args = ''" in lines
+  assert not os.path.exists(tmp_path / "c")
+
+
+def test_seed_rule_separates_purposes_steps_and_seeds():
+  a = seeds.derive(0, 3, "prompts")
+  assert a == seeds.derive(0, 3, "prompts")
+  assert len({a, seeds.derive(0, 3, "sample"), seeds.derive(0, 4, "prompts"), seeds.derive(1, 3, "prompts")}) == 4
+  assert 0 <= a < 2**31
+
+
+# --- --out safety --------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_refused_train_leaves_nothing_and_a_retry_is_refused_too(demo_cache, tmp_path, capsys):
+  out = tmp_path / "theirs"
+  out.mkdir()
+  (out / "metrics.jsonl").write_text("not ours\n")
+  for _ in range(2):  # the identical retry must be refused the same way
+    assert _train(out, "--config.train.steps=1") == 2
+    assert "holds no opdjax train run" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["metrics.jsonl"] and (out / "metrics.jsonl").read_text() == "not ours\n"
+  # --out naming a file: one message about the folder, not about free space.
+  (tmp_path / "file").write_text("x")
+  assert _train(tmp_path / "file", "--config.train.steps=1") == 2
+  assert "is a file; give a folder" in capsys.readouterr().err
+  # Every analysis command has the same policy, and --overwrite writes into the folder.
+  assert cli.main(["mismatch", "--out", str(out), *SMALL, "--config.mismatch.sources=clean",
+                   "--config.mismatch.warmup_steps=1", "--config.mismatch.num_prompts=4"]) == 2
+  assert "holds no opdjax mismatch run" in capsys.readouterr().err
+  assert cli.main(["mismatch", "--out", str(out), "--overwrite", *SMALL, "--config.mismatch.sources=clean",
+                   "--config.mismatch.warmup_steps=1", "--config.mismatch.num_prompts=4"]) == 0
+  assert (out / "mismatch.json").exists() and (out / "metrics.jsonl").read_text() == "not ours\n"
+
+
+@pytest.mark.slow
+def test_resume_refuses_meaning_changes_and_records_extensions(demo_cache, tmp_path, capsys):
+  out = tmp_path / "run"
+  assert _train(out, "--config.train.steps=2") == 0
+  config_before = (out / "config.json").read_text()
+  metrics_before = (out / "metrics.jsonl").read_text()
+  capsys.readouterr()
+  for change, key in (("--config.loss.kind=jsd", "loss.kind"), ("--config.optim.learning_rate=0.05",
+                                                                 "optim.learning_rate"),
+                      ("--config.rollout.view=lag=1", "rollout.view"), ("--config.seed=3", "seed")):
+    assert _train(out, "--config.train.steps=2", change) == 2
+    err = capsys.readouterr().err
+    assert key in err and "change what the run means" in err, err
+    assert (out / "metrics.jsonl").read_text() == metrics_before
+  assert _train(out, "--config.train.steps=3", "--config.train.eval_every=2") == 0
+  captured = capsys.readouterr()
+  assert "resuming with train.steps changed: 2 -> 3" in captured.err
+  assert "resumed at step 2, ran to step 3" in captured.out  # the summary is of this invocation
+  assert (out / "config.json").read_text() == config_before
+  history = [json.loads(line) for line in open(out / "config_history.jsonl")]
+  assert [h["resumed"] for h in history] == [False, True]
+  assert history[1]["changes"]["train.steps"] == [2, 3]
+  assert [r["step"] for r in _records(out)] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_tensorboard_events_have_every_steps_reverse_kl(demo_cache, tmp_path, capsys):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  out = tmp_path / "tb"
+  assert _train(out, "--config.train.steps=3", "--config.train.tensorboard=true") == 0
+  err = capsys.readouterr().err
+  assert "\r" not in err and "\x1b[" not in err  # not a terminal: plain progress lines, no bar frames
+  assert "OPD: step 3/3" in err
+  acc = EventAccumulator(str(out / "tensorboard"))
+  acc.Reload()
+  assert [e.step for e in acc.Scalars("reverse_kl")] == [0, 1, 2, 3]
+  want = [r["reverse_kl"] for r in _records(out)]
+  assert [e.value for e in acc.Scalars("reverse_kl")] == pytest.approx(want, rel=1e-6)
+
+
+# --- one loop ------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_calibration_runs_the_loop_train_runs(demo_cache, tmp_path):
+  view = "noise_sigma=0.2,lag=1"
+  args = ["--config.train.steps=2", "--config.optim.total_steps=2", f"--config.rollout.view={view}",
+          "--config.seed=5"]
+  assert _train(tmp_path / "t", *args) == 0
+  trained = _records(tmp_path / "t")
+  cfg = default_config()
+  cfg.task.num_eval, cfg.rollout.batch_size, cfg.seed = 16, 16, 5
+  session = Session(sweep_config(build(cfg), steps=2, eval_every=1), progress=False)
+  swept = train_run(session, EngineView.parse(view), seed=5)
+  assert [r["step"] for r in swept] == [0, 1, 2]
+  keys = [k for k in trained[2] if k != "elapsed_s"]
+  assert "loss" in keys and "mismatch_kl_k3_tok" in keys and "reverse_kl" in keys
+  for t, s in zip(trained[1:], swept[1:]):
+    assert {k: t[k] for k in keys} == {k: s[k] for k in keys}
+  assert swept[2]["mismatch_kl_k3_tok"] > 0  # the view really perturbed the engine
+  other = train_run(session, EngineView.parse(view), seed=6)
+  assert other[1]["loss"] != swept[1]["loss"]  # and the seed really picks the run
