@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from opdjax.config.loader import ConfigError, apply_overrides, load_config_file
@@ -175,5 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
+def entry() -> None:
+  """The `opdjax` console script. A failed command exits at once after its one-line error: letting
+  the interpreter tear down Orbax/TensorStore worker threads prints tracebacks that bury it."""
+  rc = main()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  if rc:
+    os._exit(rc)
+  sys.exit(rc)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  entry()

@@ -81,6 +81,8 @@ def test_resume_refusals_and_fallback(reference, tmp_path, capsys):
   assert rc == 2
   err = capsys.readouterr().err
   assert "checkpoint step 8" in err and str(latest / "8") in err
+  # One short message naming the fix, not TensorStore's spec dump.
+  assert "--resume-fallback" in err and "tensorstore_spec" not in err and len(err) < 1200, err
   # ... and --resume-fallback continues from step 6, re-running steps 7..10 once each.
   rc = cli.main(["train", "--out", str(out), "--resume-fallback", *ARGS[:2], "--config.train.steps=10", *ARGS[3:]])
   assert rc == 0

@@ -17,6 +17,9 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+import re
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -91,10 +94,11 @@ class RunCheckpointer:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
     path = os.path.join(self.directory, "latest", str(step))
     try:
-      out = self._latest.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+      with _stderr_kept_on_success():
+        out = self._latest.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported with the step and path
-      raise UserError(f"checkpoint step {step} at {path} cannot be restored ({type(e).__name__}: {e});"
+      raise UserError(f"checkpoint step {step} at {path} cannot be restored ({type(e).__name__}: {_short(e)});"
                       " it is truncated, corrupted, or from a different model.") from e
     return out["state"], out["meta"]
 
@@ -112,6 +116,34 @@ class RunCheckpointer:
     self._latest.close()
     if self._best is not None:
       self._best.close()
+
+
+@contextlib.contextmanager
+def _stderr_kept_on_success():
+  """A failed restore makes TensorStore's worker threads print 'Event loop is closed' tracebacks
+  straight to file descriptor 2, burying the one-line error: hold fd 2 in a file during the
+  restore, replay it if the restore succeeds, drop it if it fails (the error says what failed)."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as held:
+    os.dup2(held.fileno(), 2)
+    ok = False
+    try:
+      yield
+      ok = True
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      if ok:
+        held.seek(0)
+        sys.stderr.write(held.read().decode(errors="replace"))
+
+
+def _short(e: Exception, limit: int = 300) -> str:
+  """The cause without TensorStore's spec dumps (tens of lines of JSON that bury it)."""
+  text = re.sub(r"\s*\[tensorstore_spec[^\]]*'\]", "", str(e)).strip()
+  return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def restore_student(run_dir: str, step: int | None = None):
