@@ -168,3 +168,14 @@ def test_calibration_runs_the_loop_train_runs(demo_cache, tmp_path):
   assert swept[2]["mismatch_kl_k3_tok"] > 0  # the view really perturbed the engine
   other = train_run(session, EngineView.parse(view), seed=6)
   assert other[1]["loss"] != swept[1]["loss"]  # and the seed really picks the run
+
+
+def test_teacher_folder_without_tokenizer_is_one_clear_error(tmp_path):
+  from opdjax.errors import UserError
+  from opdjax.tasks.prompts import PromptsTask
+
+  (tmp_path / "model").mkdir()
+  (tmp_path / "model" / "config.json").write_text("{}")
+  (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n' * 3)
+  with pytest.raises(UserError, match="has no tokenizer files"):
+    PromptsTask(str(tmp_path / "p.jsonl"), str(tmp_path / "model"), 1, False, 10)

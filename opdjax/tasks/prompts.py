@@ -21,7 +21,16 @@ class PromptsTask:
       raise FileNotFoundError(f"task.path={path} not found; give a JSONL file with one {{\"prompt\": ...}} per line.")
     from transformers import AutoTokenizer
 
-    self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(tokenizer_path, n)) for n in names):
+      raise UserError(f"{tokenizer_path} has no tokenizer files ({', '.join(names)}): the prompts are encoded with"
+                      " the teacher's tokenizer; copy its tokenizer files into the folder (save_pretrained of the"
+                      " tokenizer) or point teacher.path at the original model folder.")
+    try:
+      self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    except (OSError, ValueError) as e:
+      raise UserError(f"the tokenizer in {tokenizer_path} does not load ({type(e).__name__}: {str(e)[:200]});"
+                      " check its tokenizer files.") from None
     rows = []
     with open(path) as f:
       for n, line in enumerate(f, 1):
