@@ -175,18 +175,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def export(run_dir: str, out_dir: str, step: int | None = None) -> str:
-  """Writes the checkpoint's student as an HF safetensors folder (+ tokenizer files where known)."""
+  """Writes the checkpoint's student as an HF safetensors folder, with the tokenizer files the run
+  used: from the run's own student/ folder (train writes them there), else the model folder of its
+  config (only when it is still on disk: nothing is fetched again)."""
   from opdjax.models import save_hf_params
+  from opdjax.models.fetch import model_dir
 
   model, params, meta = restore_student(run_dir, step)
-  extra = {}
-  from opdjax.models.fetch import resolve
-
+  run_root = run_dir if os.path.isdir(os.path.join(run_dir, "checkpoints")) else os.path.dirname(run_dir.rstrip("/"))
+  sources = [os.path.join(run_root, "student")]
   src = meta["config"].get("student", {}).get("path") or meta["config"].get("teacher", {}).get("path")
-  src = resolve(src) if src else src
+  if src and not src.startswith("fetch:"):
+    sources.append(src)
+  elif src:  # fetch:NAME: only a folder already in this cache; nothing is downloaded again
+    sources.append(model_dir(src[len("fetch:"):]))
+  extra = {}
   for name in TOKENIZER_FILES:
-    if src and os.path.exists(os.path.join(src, name)):
-      with open(os.path.join(src, name)) as f:
-        extra[name] = f.read()
+    for folder in sources:
+      if os.path.exists(os.path.join(folder, name)):
+        with open(os.path.join(folder, name)) as f:
+          extra[name] = f.read()
+        break
   save_hf_params(params, model.cfg, out_dir, extra_files=extra)
   return out_dir
