@@ -4,8 +4,8 @@
 
 Same weights (exported with save_hf_params), same shapes and dtype (fp32, vLLM --enforce-eager),
 sampling at temperature 1 with no EOS, so both generate every token. The vLLM side is the opdjax
-`VllmEngine` talking to a `VllmServer` (one HTTP request per prompt, as the OPD loop uses it); the
-server's start-up is not timed. Median of 3 calls after a warm-up call.
+`VllmEngine` on the server `make_vllm_engine` starts (one HTTP request per prompt, as the OPD loop
+uses it); the server's start-up is not timed. Median of 3 calls after a warm-up call.
 """
 
 import argparse
@@ -14,6 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -32,9 +33,9 @@ def main():
   import jax
   import numpy as np
 
-  from opdjax.models import Model, ModelConfig, save_hf_params
+  from opdjax.models import Model, ModelConfig
   from opdjax.rollout import JaxEngine, SamplingParams
-  from opdjax.rollout.vllm_engine import VllmEngine, VllmServer
+  from opdjax.rollout.vllm import make_vllm_engine
 
   s = SPEC
   cfg = ModelConfig(model_type="qwen3", vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
@@ -60,12 +61,12 @@ def main():
   jax_engine = JaxEngine(model, params, max_len=s["prompt"] + s["new"], pad_id=0, eos_ids=())
   jax_s = timed(lambda seed: jax.block_until_ready(jax_engine.generate(prompts, sp, seed=seed)))
   work = tempfile.mkdtemp(prefix="opdjax-bench-vllm-")
-  save_hf_params(params, cfg, os.path.join(work, "model"))
-  env = {"VLLM_CACHE_ROOT": os.path.join(work, "cache"), "VLLM_CPU_KVCACHE_SPACE": "1"}
-  with VllmServer(os.path.join(work, "model"), dtype="float32", enforce_eager=True, max_model_len=256, env=env,
-                  log_path=os.path.join(work, "server.log")) as server:
-    with VllmEngine(server, cfg, pad_id=0, eos_ids=()) as engine:
-      vllm_s = timed(lambda seed: engine.generate(prompts, sp, seed=seed))
+  vcfg = types.SimpleNamespace(url="", dtype="float32", quantization="", kv_cache_dtype="", gpu_memory_utilization=0.0,
+                               tensor_parallel_size=1, enforce_eager=True, api_key="", python="", cpu_kvcache_gib=1,
+                               extra_args=())
+  with make_vllm_engine(vcfg, cfg, params, max_len=s["prompt"] + s["new"], batch_size=s["batch"],
+                        max_new_tokens=s["new"], pad_id=0, eos_ids=(), out_dir=work) as engine:
+    vllm_s = timed(lambda seed: engine.generate(prompts, sp, seed=seed))
   import vllm
 
   rows = [["opdjax JaxEngine", f"{jax_s:.3f}", f"{tokens / jax_s:,.0f}"],
@@ -75,7 +76,7 @@ def main():
   notes = [f"Shapes: qwen3 hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} kv"
            f" heads, head_dim {s['head_dim']}, vocab {s['vocab']}; batch {s['batch']}, prompt {s['prompt']},"
            f" {s['new']} new tokens; fp32; temperature 1, no EOS; median of 3 calls after a warm-up",
-           "vLLM side: VllmServer (--enforce-eager, dtype float32) + VllmEngine, one HTTP request per prompt,"
+           "vLLM side: make_vllm_engine (--enforce-eager, dtype float32), one HTTP request per prompt,"
            " server start-up not timed; both processes share the same cores"]
   summary = {"bench": "rollout_vllm", "jax_tokens_per_s": round(tokens / jax_s, 1),
              "vllm_tokens_per_s": round(tokens / vllm_s, 1), "ratio": round(vllm_s / jax_s, 3)}

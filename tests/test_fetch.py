@@ -333,7 +333,7 @@ def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, tmp_pat
   from transformers import AutoTokenizer
 
   from opdjax.rollout import JaxEngine, SamplingParams
-  from opdjax.rollout.vllm_engine import VllmInProcessEngine
+  from opdjax.rollout.vllm import VllmInProcessEngine
 
   tok = AutoTokenizer.from_pretrained(folder)
   text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

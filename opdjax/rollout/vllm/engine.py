@@ -1,0 +1,316 @@
+"""vLLM behind the `RolloutEngine` protocol: weight sync, request mapping, rollout assembly.
+
+Weight sync writes the params as an HF folder (`save_hf_params`, fp32), a fresh folder for every
+sync, and has vLLM `reload_weights(weights_path=...)` in place, then resets its prefix cache
+(cached KV blocks were computed with the old weights). The params arrive already fake-quantized,
+noised or lagged (`capabilities`); vLLM's own precision is its `--dtype` / `--quantization` /
+`--kv-cache-dtype`.
+
+Every prompt is its own request with its own seed. A CPU server dies when it splits a seeded
+request's prefill across steps (see `ServerInfo.split_breaks_seeds`), so on such a server a batch is
+sent in waves whose tokens fit its step budget (`--max-num-batched-tokens`); `make_vllm_engine`
+sizes that budget so one wave holds a whole batch.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures as cf
+import logging
+import os
+import shlex
+import shutil
+import tempfile
+import weakref
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from opdjax.errors import UserError
+from opdjax.models.config import ModelConfig
+from opdjax.models.hf_io import save_hf_params
+from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams
+from opdjax.rollout.jax_engine import PromptTooLongError, pad_prompts
+from opdjax.rollout.vllm.client import ServerDown, ServerInfo, VllmClient, VllmError
+from opdjax.rollout.vllm.server import VllmServer
+
+log = logging.getLogger(__name__)
+
+
+def prompt_seeds(seed: int, num_prompts: int) -> list[int]:
+  """One distinct 63-bit seed per prompt, a pure function of (seed, index)."""
+  states = np.random.SeedSequence(seed % 2**64).generate_state(num_prompts, np.uint64)
+  return [int(s >> np.uint64(1)) for s in states]
+
+
+def sampling_fields(sampling: SamplingParams, eos_ids: Sequence[int], seed: int) -> dict:
+  """vLLM sampling fields (the completions API and `vllm.SamplingParams` share these names)."""
+  return {
+      "max_tokens": sampling.max_new_tokens,
+      "temperature": sampling.temperature,
+      "top_p": sampling.top_p,
+      "top_k": sampling.top_k,  # 0 disables it in both
+      # Neutral, so that only the settings above shape the distribution sampled from.
+      "min_p": 0.0,
+      "repetition_penalty": 1.0,
+      "presence_penalty": 0.0,
+      "frequency_penalty": 0.0,
+      # The engine's EOS ids are the only stop rule: ignore_eos drops the model's own EOS and
+      # generation_config's, stop_token_ids still stop (the EOS token is kept in the output).
+      "ignore_eos": True,
+      "stop_token_ids": [int(t) for t in eos_ids],
+      "seed": seed,
+      "logprobs": 0,  # the sampled token's log-prob only
+  }
+
+
+def waves(costs: Sequence[int], budget: int | None) -> list[range]:
+  """Consecutive groups of requests whose costs sum to at most `budget`; one group when None."""
+  if budget is None:
+    return [range(len(costs))]
+  out, start, total = [], 0, 0
+  for i, cost in enumerate(costs):
+    if total + cost > budget and i > start:
+      out.append(range(start, i))
+      start, total = i, 0
+    total += cost
+  out.append(range(start, len(costs)))
+  return out
+
+
+class VllmEngineBase(RolloutEngine):
+  """Weight export, sampling settings, waves and rollout assembly; subclasses sample and reload."""
+
+  capabilities = Capabilities(view_parts=frozenset({"weights", "noise_sigma", "lag"}), packed_weights=False,
+                              processed_logprobs=True)
+
+  def __init__(self, model_cfg: ModelConfig, *, pad_id: int, eos_ids: Sequence[int] | None, version: int,
+               export_dir: str | None, info: ServerInfo):
+    self.model_cfg = model_cfg
+    self.pad_id = pad_id
+    self.eos_ids = tuple(model_cfg.eos_ids if eos_ids is None else eos_ids)
+    self.max_len = info.max_model_len
+    # A request costs at most its prompt plus its new tokens in any step (prefill, or recomputing
+    # after a preemption); waves keep a step's requests within the budget when a split would kill it.
+    self.token_budget = info.max_num_batched_tokens if info.split_breaks_seeds else None
+    if export_dir is not None:
+      os.makedirs(export_dir, exist_ok=True)
+    self._export_root = tempfile.mkdtemp(prefix="opdjax-vllm-weights-", dir=export_dir)
+    # Exports are model-sized: removed by close(), or when the engine is collected or Python exits.
+    self._cleanup = weakref.finalize(self, shutil.rmtree, self._export_root, ignore_errors=True)
+    self._exports = 0
+    self._weights_path: str | None = None  # the folder vLLM holds now, when opdjax wrote it
+    self._version = version
+
+  @property
+  def params_version(self) -> int:
+    return self._version
+
+  @property
+  def weights_path(self) -> str | None:
+    return self._weights_path
+
+  def sync(self, params, version: int) -> None:
+    """Exports `params` to a fresh HF folder and has vLLM reload it in place."""
+    self._exports += 1
+    path = os.path.join(self._export_root, f"{self._exports:06d}-v{version}")
+    save_hf_params(params, self.model_cfg, path)
+    try:
+      self._reload(path)
+    except BaseException:
+      shutil.rmtree(path, ignore_errors=True)
+      raise
+    old, self._weights_path, self._version = self._weights_path, path, version
+    if old is not None:
+      shutil.rmtree(old, ignore_errors=True)
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Rollout:
+    toks, mask = pad_prompts(prompts, self.pad_id)
+    costs = [len(p) + sampling.max_new_tokens for p in prompts]
+    if self.max_len is not None and max(costs) > self.max_len:
+      raise PromptTooLongError(
+          f"prompt of {max(costs) - sampling.max_new_tokens} tokens + max_new_tokens={sampling.max_new_tokens}"
+          f" exceeds vLLM's max_model_len={self.max_len}; shorten the prompt or raise the server's max_model_len.")
+    if self.token_budget is not None and max(costs) > self.token_budget:
+      raise VllmError(f"a prompt of {max(costs) - sampling.max_new_tokens} tokens + {sampling.max_new_tokens} new"
+                      f" tokens exceeds the CPU vLLM server's --max-num-batched-tokens={self.token_budget}: it would"
+                      " split the request's prefill, which kills a CPU server under per-request seeds. Restart it"
+                      " with --max-num-batched-tokens of at least the max_model_len.")
+    fields = [sampling_fields(sampling, self.eos_ids, s) for s in prompt_seeds(seed, len(prompts))]
+    groups = waves(costs, self.token_budget)
+    if len(groups) > 1:
+      log.info("vLLM: %d prompts in %d waves of at most %d tokens (--max-num-batched-tokens)",
+               len(prompts), len(groups), self.token_budget)
+    outs = []
+    for group in groups:  # per-prompt seeds: the same tokens whatever the grouping
+      outs += self._sample([[int(t) for t in prompts[i]] for i in group], [fields[i] for i in group])
+    b, n = len(prompts), sampling.max_new_tokens
+    tokens = np.full((b, n), self.pad_id, np.int32)
+    cmask = np.zeros((b, n), bool)
+    lps = np.zeros((b, n), np.float32)
+    for i, (t, lp) in enumerate(outs):
+      if not 0 < len(t) <= n or len(lp) != len(t) or any(x is None for x in lp):
+        raise VllmError(f"vLLM returned {len(t)} tokens and {len(lp)} log-probs for prompt {i} (asked for at most"
+                        f" {n}, one log-prob each); the server is not one opdjax can drive: use vLLM >= 0.32.")
+      tokens[i, :len(t)] = t
+      cmask[i, :len(t)] = True
+      lps[i, :len(t)] = lp
+    return Rollout(prompt_tokens=jnp.asarray(toks), prompt_mask=jnp.asarray(mask),
+                   completion_tokens=jnp.asarray(tokens), completion_mask=jnp.asarray(cmask),
+                   rollout_logprobs=jnp.asarray(lps), params_version=self._version, sampling=sampling, seed=seed)
+
+  def close(self) -> None:
+    self._cleanup()
+    self._weights_path = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  @abc.abstractmethod
+  def _sample(self, prompts: list[list[int]], fields: list[dict]) -> list[tuple[list[int], list[float]]]:
+    """(completion token ids, their log-probs) per prompt, all or nothing."""
+
+  @abc.abstractmethod
+  def _reload(self, path: str) -> None:
+    ...
+
+
+class VllmEngine(VllmEngineBase):
+  """Rollouts from a vLLM server: one completion request per prompt, sent concurrently.
+
+  One request per prompt (n=1) rather than one request listing every prompt: vLLM seeds per
+  request, so a multi-prompt request would draw the same random stream for every prompt, while
+  here each prompt gets its own seed; a request that times out is retried alone; and vLLM's
+  continuous batching runs concurrent requests in the same forward passes anyway.
+
+  `server` is a `VllmServer` or the URL of a running one. A `VllmServer` that is not running yet is
+  started here and stopped by `close()`; one that dies is restarted from the latest synced weights
+  (at most `max_restarts` times, and never again once it died the same way twice) and the batch is
+  requested again. A server given by URL that dies is an error naming the fix. Either way
+  `generate` returns a full rollout for the batch or raises. One engine per server: weight sync
+  changes the server's weights for every client.
+  """
+
+  def __init__(self, server: VllmServer | str, model_cfg: ModelConfig, *, pad_id: int,
+               eos_ids: Sequence[int] | None = None, version: int = 0, api_key: str | None = None,
+               export_dir: str | None = None, request_timeout_s: float = 600.0, max_retries: int = 2,
+               max_restarts: int = 1, max_concurrency: int = 64):
+    self._server = server if isinstance(server, VllmServer) else None
+    self._owns_server = self._server is not None and not self._server.running
+    if self._server is not None:
+      self._server.start()
+      api_key = self._server.api_key if api_key is None else api_key
+    try:
+      self.client = VllmClient(self._server.url if self._server else str(server), api_key=api_key,
+                               request_timeout_s=request_timeout_s, max_retries=max_retries)
+      try:
+        info = self.client.info()
+      except ServerDown as e:
+        raise VllmError(self._down_message(e)) from e
+    except BaseException:
+      if self._owns_server:
+        self._server.stop()
+      raise
+    self.max_restarts = max_restarts
+    self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="opdjax-vllm")
+    super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info)
+
+  @property
+  def url(self) -> str:
+    return self.client.url
+
+  @property
+  def server(self) -> VllmServer | None:
+    return self._server
+
+  def _down_message(self, err, again: bool = False) -> str:
+    if self._server is None:
+      return (f"the vLLM server at {self.url} is not answering ({err}): it died or was stopped. Restart it with"
+              " VLLM_SERVER_DEV_MODE=1 (see VllmServer.command() for the flags opdjax needs) and rerun the step,"
+              " or leave rollout.vllm.url empty so that opdjax starts and restarts the server itself.")
+    what = ("died again after a restart, the same way, so opdjax stopped restarting it" if again else
+            "is not answering: it died or was stopped")
+    return (f"the vLLM server at {self.url} {what} ({err}); {self._server.failure()}\n"
+            "Fix the cause above; flags go through rollout.vllm.extra_args.")
+
+  def _restart(self, model: str | None) -> None:
+    self._server.restart(model=model)  # starts from the latest weights: nothing left to reload
+    self.client.url = self._server.url  # a restart may pick another port
+
+  def _reload(self, path: str) -> None:
+    try:
+      self.client.reload(path)
+    except ServerDown as e:
+      if self._server is None or self.max_restarts < 1:
+        raise VllmError(self._down_message(e)) from e
+      log.warning("vLLM server died during weight sync (%s); restarting it from %s", e, path)
+      self._restart(path)
+
+  def _sample(self, prompts, fields):
+    last = None  # the exception line the server died of last time
+    for restart in range(self.max_restarts + 1):
+      try:
+        return self._sample_once(prompts, fields)
+      except ServerDown as e:
+        if self._server is None:
+          raise VllmError(self._down_message(e)) from e
+        cause = (self._server.first_error() or "").splitlines()[-1:]
+        again = bool(cause) and cause == last  # restarting again would die again
+        if again or restart == self.max_restarts:
+          raise VllmError(self._down_message(e, again=again)) from e
+        last = cause
+        log.warning("vLLM server stopped answering (%s); restarting it and requesting the batch again; %s",
+                    e, self._server.failure())
+        self._restart(self._weights_path)
+
+  def _sample_once(self, prompts, fields):
+    futures = [self._pool.submit(self.client.complete, p, f) for p, f in zip(prompts, fields)]
+    cf.wait(futures)  # every request has ended before anything is raised or retried
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+      raise next((e for e in errors if not isinstance(e, ServerDown)), errors[0])
+    return [f.result() for f in futures]
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True, cancel_futures=True)
+    super().close()
+    if self._owns_server:
+      self._server.stop()
+
+
+def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: int, batch_size: int,
+                     max_new_tokens: int, pad_id: int, eos_ids: Sequence[int], out_dir: str) -> VllmEngine:
+  """The engine of `rollout.engine='vllm'`: attached to `vcfg.url`, or on a server started here from
+  `init_params` and stopped by the engine's `close()`.
+
+  `vcfg` has `rollout.vllm`'s fields (url, dtype, quantization, kv_cache_dtype, gpu_memory_utilization,
+  tensor_parallel_size, enforce_eager, api_key, python, cpu_kvcache_gib, extra_args). The server's
+  step budget (--max-num-batched-tokens) holds a whole batch of `batch_size` requests of up to
+  `max_len` tokens, so a batch's prefills are never split (fatal on CPU with seeds) nor sent in waves.
+  Its log is OUT/vllm.log, synced weights go to OUT/vllm-weights.
+  """
+  if not 0 < max_new_tokens < max_len:
+    raise UserError(f"rollout.max_new_tokens={max_new_tokens} must be >= 1 and below rollout.max_len={max_len}"
+                    " (prompt and completion share it).")
+  extra = vcfg.extra_args
+  extra = tuple(shlex.split(extra) if isinstance(extra, str) else extra or ())
+  kw = {"pad_id": pad_id, "eos_ids": tuple(eos_ids), "api_key": vcfg.api_key or None,
+        "export_dir": os.path.join(out_dir, "vllm-weights"), "max_concurrency": batch_size}
+  if vcfg.url:
+    return VllmEngine(vcfg.url, student_cfg, **kw)
+  init_dir = os.path.join(out_dir, "vllm-init")  # the weights it starts on; every step syncs its own
+  if not os.path.exists(init_dir):
+    save_hf_params(init_params, student_cfg.replace(dtype="float32"), init_dir)
+  server = VllmServer(
+      init_dir, dtype=vcfg.dtype, quantization=vcfg.quantization or None, kv_cache_dtype=vcfg.kv_cache_dtype or None,
+      gpu_memory_utilization=vcfg.gpu_memory_utilization or None, tensor_parallel_size=vcfg.tensor_parallel_size,
+      max_model_len=max_len, max_num_batched_tokens=max(batch_size * max_len, 2048),
+      enforce_eager=vcfg.enforce_eager, api_key=vcfg.api_key or None, python=vcfg.python or None,
+      extra_args=extra, log_path=os.path.join(out_dir, "vllm.log"),
+      env={"VLLM_CACHE_ROOT": os.path.join(out_dir, "vllm-cache"),
+           "VLLM_CPU_KVCACHE_SPACE": str(vcfg.cpu_kvcache_gib)})
+  return VllmEngine(server, student_cfg, **kw)  # starts the server; its close() stops it

