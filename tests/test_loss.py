@@ -10,8 +10,17 @@ import pytest
 
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig, positions_from_mask
+from opdjax.rollout import SamplingParams
 from opdjax.scoring.rescore import chunked_over_positions, masked_mean
-from opdjax.training.loss import IS_MODES, OBJECTIVES, LossConfig, importance_weights, per_token_terms
+from opdjax.training.loss import (
+  IS_MODES,
+  OBJECTIVES,
+  LossConfig,
+  fused_opd_loss,
+  importance_weights,
+  per_token_terms,
+  sampling_transform,
+)
 from opdjax.training.step import opd_loss
 
 B, T, V = 2, 3, 7
@@ -30,14 +39,31 @@ def pick(x, y):
   return np.take_along_axis(x, y[..., None], axis=-1)[..., 0]
 
 
-def ref_constants(zs0, zt, y, rollout_lp, cfg):
-  """What the loss holds fixed (stop-gradient), evaluated at the base student logits."""
+def ref_sampling_logprobs(z, temperature, top_k, top_p):
+  """The engine's processed distribution, from SamplingParams' docstring: temperature, top-k, top-p."""
+  z = z / temperature
+  if top_k:
+    z = np.where(z < np.sort(z, -1)[..., -top_k:][..., :1], -np.inf, z)
+  if top_p < 1:
+    desc = -np.sort(-z, -1)
+    p = np.exp(log_softmax(desc))
+    keep = np.cumsum(p, -1) - p < top_p  # the smallest prefix reaching top_p
+    z = np.where(z < np.min(np.where(keep, desc, np.inf), -1, keepdims=True), -np.inf, z)
+  kept = np.isfinite(z)
+  return np.where(kept, log_softmax(np.where(kept, z, -1e300)), -np.inf)
+
+
+def ref_constants(zs0, zt, y, rollout_lp, cfg, trainer_lp=None):
+  """What the loss holds fixed (stop-gradient), evaluated at the base student logits.
+
+  `trainer_lp`: the trainer's log-probs the IS weight compares with the rollout's (default: T = 1).
+  """
   ls0, lt = log_softmax(zs0), log_softmax(zt)
   side = lt if cfg.topk_support == "teacher" else ls0
   top = np.argsort(-side, axis=-1)[..., :cfg.topk]
   support = np.zeros(zs0.shape, bool)
   np.put_along_axis(support, top, True, axis=-1)
-  w = np.exp(pick(ls0, y) - rollout_lp)
+  w = np.exp((pick(ls0, y) if trainer_lp is None else trainer_lp) - rollout_lp)
   if cfg.is_correction == "tis":
     w = np.minimum(w, cfg.is_threshold)
   elif cfg.is_correction == "mis":
@@ -137,6 +163,75 @@ def test_value_and_gradient_match_float64_reference(cfg):
   assert scale > 1e-2  # a gradient of zeros would match anything
   np.testing.assert_allclose(np.asarray(got_grad), want_grad, rtol=1e-4, atol=1e-4 * scale)
   assert np.all(np.asarray(got_grad)[MASK == 0] == 0)
+
+
+SAMPLING = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+
+
+def test_reference_processing_keeps_what_the_engine_keeps():
+  z = np.array([[3.0, 2.9, 1.0, 0.5, 0.4, 0.0, -1.0]])
+  lp = ref_sampling_logprobs(z, 0.5, 5, 0.9)
+  kept = np.isfinite(lp)
+  assert kept[0, :2].all() and not kept[0, 4:].any()  # the top-p cut falls inside the top 5
+  np.testing.assert_allclose(np.exp(lp[kept]).sum(), 1.0)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
+def test_fused_loss_on_the_sampling_distribution_matches_float64_reference(cfg):
+  """`fused_opd_loss` given the rollout's `sampling`: the objective is unchanged (T = 1); the IS
+  weight compares the trainer's processed log-prob with the rollout's and is a constant factor."""
+  zs, zt, _, _ = inputs(seed=20 + CONFIGS.index(cfg))
+  proc = ref_sampling_logprobs(zs, SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p)
+  # Targets the trainer's processed distribution keeps (the runner-up where kept, else the top
+  # token), and one on-mask target it excludes: weight 0 under tis and mis.
+  y = np.argsort(-zs, -1)[..., 1]
+  y = np.where(np.isfinite(pick(proc, y)), y, np.argmax(zs, -1))
+  y[0, 0] = np.argmin(zs[0, 0])
+  trainer_lp = pick(proc, y)
+  assert np.isfinite(trainer_lp[MASK > 0]).sum() == MASK.sum() - 1
+  log_w = np.array([[-1.0, 1.5, 0.3], [1.2, -0.5, 0.2]])
+  rollout_lp = np.where(np.isfinite(trainer_lp), trainer_lp - log_w, -2.0)
+  const = ref_constants(zs, zt, y, rollout_lp, cfg, trainer_lp=trainer_lp)
+  want = ref_loss(zs, zt, y, MASK, cfg, const)
+  want_grad = central_diff(lambda z: ref_loss(z, zt, y, MASK, cfg, const), zs)
+
+  eye, f32 = jnp.eye(V), functools.partial(jnp.asarray, dtype=jnp.float32)
+
+  def loss(h, sampling):  # h @ I: the logits themselves are the differentiated input
+    return fused_opd_loss(h, eye, f32(zt), eye, jnp.asarray(y), f32(rollout_lp), f32(MASK),
+                          dataclasses.replace(cfg, chunk=2), jnp.float32, sampling)
+
+  (got, terms), got_grad = jax.value_and_grad(loss, has_aux=True)(f32(zs), SAMPLING)
+  np.testing.assert_allclose(float(got), want, rtol=1e-5, atol=1e-7)
+  scale = np.abs(want_grad).max()
+  assert scale > 1e-2  # a gradient of zeros would match anything
+  np.testing.assert_allclose(np.asarray(got_grad), want_grad, rtol=1e-4, atol=1e-4 * scale)
+  on = MASK > 0
+  np.testing.assert_allclose(np.asarray(terms["trainer_logprobs"])[on], trainer_lp[on], rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(terms["student_logprobs"])[on], pick(log_softmax(zs), y)[on], rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(terms["is_weight"])[on], const["w"][on], rtol=1e-5, atol=1e-7)
+  # Without IS weights the sampling changes nothing; with them it does (the comparison can fail).
+  (plain, _), plain_grad = jax.value_and_grad(loss, has_aux=True)(f32(zs), None)
+  if cfg.is_correction == "none":
+    assert float(plain) == float(got)
+    np.testing.assert_array_equal(plain_grad, got_grad)
+  else:
+    assert abs(float(plain) - float(got)) > 1e-3
+
+
+@pytest.mark.parametrize("sampling,temperature,processes", [
+    (None, 1.0, False),
+    (SamplingParams(), 1.0, False),
+    (SamplingParams(temperature=0.0, top_k=3), 1.0, False),  # greedy engines report the unscaled model
+    (SamplingParams(temperature=0.0), 0.7, True),
+    (SamplingParams(temperature=0.7), 1.0, True),
+    (SamplingParams(temperature=0.7), 0.7, False),
+    (SamplingParams(top_k=V), 1.0, False),  # a top-k of the whole vocabulary removes nothing
+    (SamplingParams(top_k=V - 1), 1.0, True),
+    (SamplingParams(temperature=0.7, top_p=0.9), 0.7, True),
+])
+def test_sampling_transform_runs_only_when_the_distribution_differs(sampling, temperature, processes):
+  assert sampling_transform(sampling, V, temperature) is (sampling if processes else None)
 
 
 def test_importance_modes_change_the_loss():

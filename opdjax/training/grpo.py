@@ -11,7 +11,10 @@ A group whose rewards are all equal carries no signal and gets A = 0 exactly.
 
 Per completion token y_t the objective term is `-w_t * A * log p_trainer(y_t)`, with `A` the
 sequence's advantage and `w_t` the trainer-vs-rollout importance weight of `opdjax.loss`, both held
-constant. The step makes one optimizer update per batch of fresh samples, so the PPO ratio
+constant. Given the rollouts' `sampling`, `w_t` and the `mismatch_*` metrics score the trainer on
+the engine's processed distribution (temperature, top-k, top-p), as the OPD step does, so they
+measure the engine's mismatch alone; the objective's log p is the model at `temperature`. The step
+makes one optimizer update per batch of fresh samples, so the PPO ratio
 p_theta / p_theta_old is exactly 1 where the gradient is taken and its clipping never acts: it is
 left out. What remains of the off-policy gap is the rollout engine's mismatch, which `w` corrects.
 The terms are reduced by a token-level masked mean over the whole batch,
@@ -34,10 +37,10 @@ import optax
 
 from opdjax.errors import UserError
 from opdjax.models.decoder import Model
-from opdjax.scoring.mismatch import sampled_metrics
-from opdjax.scoring.rescore import TrainBatch, masked_mean, token_logprobs
-from opdjax.training.loss import IS_MODES, importance_weights
-from opdjax.training.step import TrainState, apply_gradients
+from opdjax.rollout.base import SamplingParams
+from opdjax.scoring.rescore import TrainBatch, chunked_over_positions, masked_mean
+from opdjax.training.loss import IS_MODES, importance_weights, processed_logprobs, sampling_transform
+from opdjax.training.step import TrainState, apply_gradients, mismatch_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +50,9 @@ class GrpoConfig:
   is_correction: str = "none"  # none | tis | mis, as in LossConfig
   is_threshold: float = 2.0
   chunk: int = 256  # sequence positions per chunk of [B, chunk, V] logits
-  # The trainer scores log p(y) at this temperature (OPD's trainer scores at 1). Set it to the
-  # rollout temperature to make the importance weights compare like with like.
+  # The policy whose log p(y) the objective raises: the model at this temperature. Set it to the
+  # rollout temperature (the policy that sampled). The importance weights and mismatch metrics
+  # follow the step's `sampling` instead (the engine's processed distribution).
   temperature: float = 1.0
 
   def __post_init__(self):
@@ -100,11 +104,33 @@ def verifier_rewards(task, references, completions: Sequence[Sequence[int]]) -> 
   return np.asarray([float(task.is_correct(r, c)) for r, c in zip(references, completions)], np.float32)
 
 
-def grpo_loss(params, batch: TrainBatch, advantages, *, student: Model, cfg: GrpoConfig):
+def _logprobs(student: Model, params, batch: TrainBatch, cfg: GrpoConfig, sampling: SamplingParams | None):
+  """`(log p(y) at cfg.temperature, differentiable; the trainer on the processed distribution, constant)`.
+
+  Both `[B, L]`, 0 off the loss mask, from one forward pass and the same chunk of logits.
+  """
+  h, _ = student.hidden(params, batch["tokens"], batch["positions"], batch["attention_mask"])
+
+  def per_chunk(h_c, tgt_c):
+    logits = student.logits(params, h_c)
+    logp = jax.nn.log_softmax(logits / cfg.temperature, axis=-1)
+    lp = jnp.take_along_axis(logp, tgt_c[..., None], axis=-1)[..., 0]
+    lp_tr = jax.lax.stop_gradient(lp) if sampling is None else processed_logprobs(logits, tgt_c, sampling)
+    return lp, lp_tr
+
+  lp, lp_tr = chunked_over_positions(per_chunk, cfg.chunk, h, batch["targets"])
+  on = batch["loss_mask"] > 0
+  return jnp.where(on, lp, 0.0), jnp.where(on, lp_tr, 0.0)
+
+
+def grpo_loss(params, batch: TrainBatch, advantages, *, student: Model, cfg: GrpoConfig,
+              sampling: SamplingParams | None = None):
   """Masked GRPO loss `-sum(m * w * A * log p) / max(sum(m), 1)` and per-batch metrics.
 
   `advantages [B]` are per sequence (`group_advantages`) and, like the importance weights `w`,
   constant. One update per batch of fresh samples: the PPO ratio is 1, so there is no clipping.
+  `sampling`: how the engine processed the logits behind `rollout_logprobs`; `w` and the
+  `mismatch_*` metrics score the trainer on that distribution. None: the model at `cfg.temperature`.
   """
   mask = batch["loss_mask"].astype(jnp.float32)
   if jnp.shape(advantages) != mask.shape[:1]:
@@ -112,11 +138,12 @@ def grpo_loss(params, batch: TrainBatch, advantages, *, student: Model, cfg: Grp
                     " pass one advantage per row (group_advantages(rewards, group_size)).")
   # Off-mask entries are never read: garbage there (e.g. exp overflow) must not reach the sums.
   lp_r = jnp.where(mask > 0, batch["rollout_logprobs"], 0.0)
-  lp_s = token_logprobs(student, params, batch, temperature=cfg.temperature, chunk=cfg.chunk)
-  w = jnp.where(mask > 0, importance_weights(lp_s, lp_r, cfg), 0.0)
+  lp_s, lp_tr = _logprobs(student, params, batch, cfg,
+                          sampling_transform(sampling, student.cfg.vocab_size, cfg.temperature))
+  w = jnp.where(mask > 0, importance_weights(lp_tr, lp_r, cfg), 0.0)
   adv = jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32))
   loss = masked_mean(-w * adv[:, None] * lp_s, mask)
-  clipped = jnp.exp(jax.lax.stop_gradient(lp_s) - lp_r) > cfg.is_threshold
+  clipped = jnp.exp(lp_tr - lp_r) > cfg.is_threshold
   metrics = {
       "loss": loss,
       "advantage_abs_mean": jnp.mean(jnp.abs(adv)),
@@ -124,27 +151,30 @@ def grpo_loss(params, batch: TrainBatch, advantages, *, student: Model, cfg: Grp
       # Tokens whose weight TIS truncated or MIS zeroed (0 without correction).
       "is_clip_frac": masked_mean(clipped, mask) if cfg.is_correction != "none" else jnp.zeros(()),
       "num_tokens": jnp.sum(mask),
+      **mismatch_metrics(lp_r, lp_tr, mask),
   }
-  lp_s = jax.lax.stop_gradient(lp_s)
-  metrics.update({f"mismatch_{k}": v for k, v in sampled_metrics(lp_r, lp_s, mask).items()})
   return loss, metrics
 
 
 def grpo_train_step(state: TrainState, batch: TrainBatch, advantages, *, student: Model, cfg: GrpoConfig,
-                    optimizer: optax.GradientTransformation, skip_nonfinite: bool = False):
+                    optimizer: optax.GradientTransformation, skip_nonfinite: bool = False,
+                    sampling: SamplingParams | None = None):
   """`(state, batch, advantages) -> (state, metrics)`; pure, jit with `make_grpo_step`."""
-  grad_fn = jax.value_and_grad(functools.partial(grpo_loss, student=student, cfg=cfg), has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(grpo_loss, student=student, cfg=cfg, sampling=sampling),
+                               has_aux=True)
   (_, metrics), grads = grad_fn(state.params, batch, advantages)
   return apply_gradients(state, grads, metrics, optimizer, skip_nonfinite)
 
 
 def make_grpo_step(student: Model, cfg: GrpoConfig, optimizer: optax.GradientTransformation,
-                   skip_nonfinite: bool = False):
+                   skip_nonfinite: bool = False, sampling: SamplingParams | None = None):
   """The GRPO step jitted once, with the train state donated: `step(state, batch, advantages)`.
+
+  `sampling`: the `SamplingParams` the rollouts are generated with (see `grpo_loss`).
 
   Pass `advantages` as a float32 `[B]` array (what `group_advantages` returns); a weakly typed
   one (e.g. `jnp.full(shape, nan)` without a dtype) would compile the step a second time.
   """
   fn = functools.partial(grpo_train_step, student=student, cfg=cfg, optimizer=optimizer,
-                         skip_nonfinite=skip_nonfinite)
+                         skip_nonfinite=skip_nonfinite, sampling=sampling)
   return jax.jit(fn, donate_argnums=0)

@@ -17,7 +17,10 @@ the step reduces it with a masked mean `sum(m * w * term) / max(sum(m), 1)`.
 
 Importance correction (trainer vs rollout engine, same tokens): w = exp(log
 p_trainer(y) - log p_rollout(y)), held constant; `tis` truncates it at C, `mis`
-zeroes tokens whose weight exceeds C.
+zeroes tokens whose weight exceeds C. Both sides are on the distribution the engine
+sampled from (temperature, top-k, top-p applied: `sampling`), so w measures the
+engine's mismatch alone; the objectives above stay on the models' own (T = 1)
+distributions (docs/objectives.md, "Temperature").
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from opdjax.errors import UserError
+from opdjax.rollout.base import SamplingParams
+from opdjax.rollout.sampling import sampling_logprobs
 
 OBJECTIVES = ("sampled_rkl", "full_rkl", "topk_rkl", "forward_kl", "jsd")
 IS_MODES = ("none", "tis", "mis")
@@ -114,6 +119,29 @@ def importance_weights(trainer_lp, rollout_lp, cfg: LossConfig):
   return jnp.where(w <= cfg.is_threshold, w, 0.0)
 
 
+def sampling_transform(sampling: SamplingParams | None, vocab_size: int,
+                       temperature: float = 1.0) -> SamplingParams | None:
+  """`sampling` where its processed distribution differs from a plain softmax at `temperature`, else None.
+
+  None means the objective's own log-probs already are the rollout's distribution: no second
+  transform to run. A greedy engine (`temperature == 0`) reports the unscaled model.
+  """
+  if sampling is None:
+    return None
+  scale = sampling.temperature if sampling.temperature > 0 else 1.0
+  truncates = sampling.temperature > 0 and (0 < sampling.top_k < vocab_size or sampling.top_p < 1.0)
+  return sampling if truncates or scale != temperature else None
+
+
+def processed_logprobs(logits, targets, sampling: SamplingParams):
+  """fp32 log-prob of each target under the engine's processed distribution (a constant).
+
+  -inf where top-k / top-p removes the target: the trainer's processed distribution excludes it.
+  """
+  logp = sampling_logprobs(jax.lax.stop_gradient(logits), sampling)
+  return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
 def _logits(h, w_DxV, dtype):
   return jnp.einsum("...d,dv->...v", h.astype(dtype), w_DxV.astype(dtype), preferred_element_type=jnp.float32)
 
@@ -130,12 +158,14 @@ def _unchunk(y, length):
   return y.reshape(y.shape[0], -1, *y.shape[3:])[:, :length]
 
 
-def _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfig, dtype):
+def _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfig, dtype, sampling):
   """Loss, its gradients w.r.t. (h_s, w_s), and per-token diagnostics, one chunk at a time.
 
   The student's logits gradient is formed inside each chunk and immediately contracted into
   the hidden-state and output-matrix gradients, so neither pass ever holds more than
   `[B, chunk, V]` logits and nothing (teacher or student projection) is recomputed backwards.
+  The trainer's log-prob on the rollout's processed distribution comes from the same chunk of
+  student logits.
   """
   b, length, _ = h_s.shape
   chunk = max(1, min(cfg.chunk, length))
@@ -145,15 +175,19 @@ def _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfi
   def body(g_w, xs):
     hs, ht, tgt, rlp, m = xs
     lt = _logits(ht, w_t, dtype)
-    term, vjp_fn, terms = jax.vjp(lambda ls: _term_and_aux(ls, lt, tgt, cfg), _logits(hs, w_s, dtype),
-                                  has_aux=True)
-    w = importance_weights(terms["trainer_logprobs"], rlp, cfg)
+    ls = _logits(hs, w_s, dtype)
+    term, vjp_fn, terms = jax.vjp(lambda ls: _term_and_aux(ls, lt, tgt, cfg), ls, has_aux=True)
+    lp_s = terms.pop("trainer_logprobs")  # the objective's: the student at T = 1
+    lp_tr = lp_s if sampling is None else processed_logprobs(ls, tgt, sampling)
+    lp_tr = jnp.where(m > 0, lp_tr, 0.0)  # off the mask a removed target would be -inf
+    w = importance_weights(lp_tr, rlp, cfg)
     coef = w * m / denom
     (g_logits,) = vjp_fn(coef)
     g_h = jnp.einsum("bcv,dv->bcd", g_logits.astype(dtype), w_s.astype(dtype), preferred_element_type=jnp.float32)
     g_w = g_w + jnp.einsum("bcd,bcv->dv", hs.astype(dtype), g_logits.astype(dtype),
                            preferred_element_type=jnp.float32)
-    return g_w, (jnp.sum(coef * term), g_h, {**terms, "is_weight": w})
+    terms = {**terms, "student_logprobs": lp_s, "trainer_logprobs": lp_tr, "is_weight": w}
+    return g_w, (jnp.sum(coef * term), g_h, terms)
 
   xs = tuple(_chunks(x, chunk) for x in (h_s, h_t, targets, rollout_lp, mask))
   g_w, (losses, g_h, terms) = jax.lax.scan(body, jnp.zeros(w_s.shape, jnp.float32), xs)
@@ -167,24 +201,28 @@ def _term_and_aux(logits_s, logits_t, targets, cfg):
   return term, jax.lax.stop_gradient(terms)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def fused_opd_loss(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfig, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def fused_opd_loss(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfig, dtype,
+                   sampling: SamplingParams | None = None):
   """Masked mean of `w * term` over tokens from hidden states, and per-token diagnostics.
 
   `h_s [B, L, D]`, `w_s [D, V]`: student (differentiated). `h_t`, `w_t`: teacher (constant).
+  `sampling`: the engine's processing of `rollout_lp` (`sampling_transform`); None: none beyond T = 1.
   Returns `(loss, terms)` where `terms` holds `[B, L]` arrays: reverse_kl, entropy,
-  trainer_logprobs, teacher_logprobs, is_weight.
+  student_logprobs and teacher_logprobs (the objective's, T = 1), trainer_logprobs (the student
+  on `sampling`'s processed distribution, what `rollout_lp` is compared with; 0 off the mask, -inf
+  where the processing removes the target), is_weight.
   """
-  loss, terms, _ = _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype)
+  loss, terms, _ = _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype, sampling)
   return loss, terms
 
 
-def _fused_fwd(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype):
-  loss, terms, grads = _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype)
+def _fused_fwd(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype, sampling):
+  loss, terms, grads = _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype, sampling)
   return (loss, terms), grads
 
 
-def _fused_bwd(cfg, dtype, grads, cotangents):
+def _fused_bwd(cfg, dtype, sampling, grads, cotangents):
   g_loss = cotangents[0]  # the diagnostics carry no gradient
   g_h, g_w = grads
   # Cotangents keep the primals' dtypes (bf16 hidden states stay bf16).

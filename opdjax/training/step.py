@@ -12,9 +12,12 @@ import optax
 
 from opdjax.errors import UserError
 from opdjax.models.decoder import Model
+from opdjax.rollout.base import SamplingParams
 from opdjax.scoring.mismatch import sampled_metrics
 from opdjax.scoring.rescore import TrainBatch, masked_mean
-from opdjax.training.loss import LossConfig, fused_opd_loss
+from opdjax.training.loss import LossConfig, fused_opd_loss, sampling_transform
+
+EXCLUDED_R = 20.0  # |r| of a sampled token the trainer's processed distribution excludes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,38 +55,65 @@ class TrainState:
 
 
 def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teacher: Model,
-             loss_cfg: LossConfig):
-  """Masked OPD loss and per-batch metrics. Teacher is a constant."""
+             loss_cfg: LossConfig, sampling: SamplingParams | None = None):
+  """Masked OPD loss and per-batch metrics. Teacher is a constant.
+
+  `sampling`: how the engine that produced `rollout_logprobs` processed its logits (temperature,
+  top-k, top-p). The trainer is scored on that same distribution for the importance weights and
+  the `mismatch_*` metrics; the objective stays on the models' T = 1 distributions. None: T = 1,
+  unprocessed.
+  """
   h_s, _ = student.hidden(params, batch["tokens"], batch["positions"], batch["attention_mask"])
   h_t, _ = teacher.hidden(teacher_params, batch["tokens"], batch["positions"], batch["attention_mask"])
   mask = batch["loss_mask"]
   loss, terms = fused_opd_loss(
       h_s, student.output_matrix(params), jax.lax.stop_gradient(h_t),
       jax.lax.stop_gradient(teacher.output_matrix(teacher_params)), batch["targets"],
-      batch["rollout_logprobs"], mask, loss_cfg, jnp.dtype(student.cfg.dtype))
-  lp_s, lp_t, lp_r = terms["trainer_logprobs"], terms["teacher_logprobs"], batch["rollout_logprobs"]
+      batch["rollout_logprobs"], mask, loss_cfg, jnp.dtype(student.cfg.dtype),
+      sampling_transform(sampling, student.cfg.vocab_size))
+  lp_s, lp_t = terms["student_logprobs"], terms["teacher_logprobs"]
+  # Rollout vs trainer on the same tokens and the same processed distribution, from the forward
+  # pass the loss already did.
+  mismatch = mismatch_metrics(batch["rollout_logprobs"], terms["trainer_logprobs"], mask)
+  signal = masked_mean(lp_s - lp_t, mask)
   metrics = {
       "loss": loss,
       "reverse_kl": masked_mean(terms["reverse_kl"], mask),
       "entropy": masked_mean(terms["entropy"], mask),
       "is_weight_mean": masked_mean(terms["is_weight"], mask),
       "num_tokens": jnp.sum(mask),
-      # The sampled reverse-KL signal OPD follows, from the trainer's and from the engine's
-      # log-probs of the same tokens: their difference is the bias the mismatch puts into it.
-      "opd_signal_trainer": masked_mean(lp_s - lp_t, mask),
-      "opd_signal_rollout": masked_mean(lp_r - lp_t, mask),
+      # The sampled reverse-KL signal OPD follows (T = 1) from the trainer's log-probs, and with the
+      # engine's error on the same tokens added (mean(log q - log p_trainer) on the processed
+      # distribution, = kl_k1_tok): their difference is the bias the mismatch puts into it.
+      "opd_signal_trainer": signal,
+      "opd_signal_rollout": signal + mismatch["mismatch_kl_k1_tok"],
+      **mismatch,
   }
-  # Rollout vs trainer on the same tokens, from the forward pass the loss already did.
-  metrics.update({f"mismatch_{k}": v for k, v in sampled_metrics(lp_r, lp_s, mask).items()})
   return loss, metrics
+
+
+def mismatch_metrics(rollout_logprobs, trainer_logprobs, mask) -> dict[str, jax.Array]:
+  """`mismatch_*` metrics (`sampled_metrics`) of the engine vs the trainer on the same processed distribution.
+
+  A sampled token the trainer's processed distribution excludes (a top-k / top-p boundary that
+  moved: `trainer_logprobs` = -inf) counts at r = -EXCLUDED_R, the clamp `sampled_metrics` puts
+  on its chi-square and ESS estimates; `mismatch_excluded_frac` says how often that happened.
+  """
+  mask = mask.astype(jnp.float32)
+  excluded = (mask > 0) & ~jnp.isfinite(trainer_logprobs)
+  lp_tr = jnp.where(excluded, rollout_logprobs - EXCLUDED_R, trainer_logprobs)
+  metrics = {f"mismatch_{k}": v for k, v in sampled_metrics(rollout_logprobs, lp_tr, mask).items()}
+  metrics["mismatch_excluded_frac"] = masked_mean(excluded, mask)
+  return metrics
 
 
 def train_step(state: TrainState, teacher_params, batch: TrainBatch, *, student: Model,
                teacher: Model, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-               skip_nonfinite: bool = False):
+               skip_nonfinite: bool = False, sampling: SamplingParams | None = None):
   """`(state, batch) -> (state, metrics)`; pure, jit with `make_train_step`."""
   grad_fn = jax.value_and_grad(
-      functools.partial(opd_loss, student=student, teacher=teacher, loss_cfg=loss_cfg), has_aux=True)
+      functools.partial(opd_loss, student=student, teacher=teacher, loss_cfg=loss_cfg, sampling=sampling),
+      has_aux=True)
   (_, metrics), grads = grad_fn(state.params, teacher_params, batch)
   return apply_gradients(state, grads, metrics, optimizer, skip_nonfinite)
 
@@ -111,9 +141,15 @@ def check_compatible(student: Model, teacher: Model) -> None:
 
 
 def make_train_step(student: Model, teacher: Model, loss_cfg: LossConfig,
-                    optimizer: optax.GradientTransformation, skip_nonfinite: bool = False):
-  """The step jitted once, with the train state donated."""
+                    optimizer: optax.GradientTransformation, skip_nonfinite: bool = False,
+                    sampling: SamplingParams | None = None):
+  """The step jitted once, with the train state donated.
+
+  `sampling`: the `SamplingParams` the rollouts are generated with, so that the importance
+  weights and `mismatch_*` metrics compare the trainer with the engine on the same processed
+  distribution (see `opd_loss`). None: the rollouts are T = 1 and unprocessed.
+  """
   check_compatible(student, teacher)
   fn = functools.partial(train_step, student=student, teacher=teacher, loss_cfg=loss_cfg,
-                         optimizer=optimizer, skip_nonfinite=skip_nonfinite)
+                         optimizer=optimizer, skip_nonfinite=skip_nonfinite, sampling=sampling)
   return jax.jit(fn, donate_argnums=0)
