@@ -107,7 +107,7 @@ class Session:
         from opdjax.training import grpo
 
         self._steps[algo] = grpo.make_grpo_step(self.student, self.grpo_config(), self.optimizer(algo),
-                                                skip_nonfinite=skip)
+                                                skip_nonfinite=skip, sampling=self.sampling)
     return self._steps[algo]
 
   def grpo_config(self):
