@@ -109,7 +109,7 @@ def jax_side(args, spec) -> dict:
   base_rss = _common.rss_bytes()
 
   scfg, tcfg = model_config(spec["student"], spec), model_config(spec["teacher"], spec)
-  student, teacher = Model(scfg, remat=True), Model(tcfg)  # no backward through the teacher
+  student, teacher = Model(scfg, remat_policy="full"), Model(tcfg)  # no backward through the teacher
   params = jax.jit(student.init)(jax.random.key(0))
   # The frozen teacher is cast inside the init's jit, so no fp32 teacher counts in the peak.
   cast = lambda tree: jax.tree.map(lambda x: x.astype(jnp.dtype(spec["dtype"])), tree)
@@ -240,7 +240,7 @@ def dry_run(args, spec) -> None:
   from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
 
   scfg, tcfg = model_config(spec["student"], spec), model_config(spec["teacher"], spec)
-  student, teacher = Model(scfg, remat=True), Model(tcfg)
+  student, teacher = Model(scfg, remat_policy="full"), Model(tcfg)
   p_shapes = jax.eval_shape(student.init, jax.random.key(0))
   t_shapes = jax.eval_shape(teacher.init, jax.random.key(1))
   t_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(spec["dtype"])), t_shapes)

@@ -91,7 +91,7 @@ def _write_tiny_gguf(path, cfg, params):
   import gguf
 
   from opdjax.models.gguf import GGUF_NAMES
-  from opdjax.models.hf_io import name_pairs
+  from opdjax.models.hf_io import to_hf
 
   to_gguf = {hf: g for g, hf in GGUF_NAMES.items()}
   w = gguf.GGUFWriter(str(path), "llama")
@@ -115,9 +115,7 @@ def _write_tiny_gguf(path, cfg, params):
   w.add_eos_token_id(2)
   w.add_add_bos_token(True)
   w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-  for jax_path, hf, transpose in name_pairs(cfg):
-    x = np.asarray(_get(params, jax_path), np.float32)
-    x = x.T if transpose else x
+  for hf, x in to_hf(params, cfg).items():
     module, _, kind = hf.rpartition(".")
     layer, rest = re.fullmatch(r"(?:model\.layers\.(\d+)\.)?(.+)", module).groups()
     template = rest if layer is None else f"model.layers.{{i}}.{rest}"
@@ -129,12 +127,6 @@ def _write_tiny_gguf(path, cfg, params):
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-
-
-def _get(tree, path):
-  for k in path.split("/"):
-    tree = tree[k]
-  return tree
 
 
 def test_convert_tiny_gguf_round_trips(tmp_path, random_params):

@@ -30,7 +30,7 @@ def test_engine_on_gpu_matches_rescoring():
 
 
 def test_bf16_remat_step_on_gpu_learns():
-  student, teacher = Model(_cfg("bfloat16"), remat=True), Model(_cfg("bfloat16"))
+  student, teacher = Model(_cfg("bfloat16"), remat_policy="full"), Model(_cfg("bfloat16"))
   opt = make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1))
   step = make_train_step(student, teacher, LossConfig(kind="full_rkl", chunk=32), opt)
   state = TrainState.create(student.init(jax.random.key(0)), opt)

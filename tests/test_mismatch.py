@@ -160,11 +160,11 @@ def test_zero_activation_row_survives_w8a8(act):
 def test_recipe_keeps_norms_out_of_fp8_and_respects_order():
   _, params = _model()
   out = perturb.apply_recipe(params, [("layers.0.*", "bf16"), ("*", "fp8_e4m3:channel")])
-  k0 = out["layers_0"]["self_attn"]["q_proj"]["kernel"]
-  k1 = out["layers_1"]["self_attn"]["q_proj"]["kernel"]
+  k0 = out["layers"]["self_attn"]["q_proj"]["kernel"][0]
+  k1 = out["layers"]["self_attn"]["q_proj"]["kernel"][1]
   assert np.array_equal(k0, k0.astype(jnp.bfloat16).astype(jnp.float32))
   assert len(np.unique(np.abs(np.asarray(k1[:, 0])))) <= 128  # FP8: few distinct magnitudes per channel
-  norm = out["layers_1"]["input_layernorm"]["weight"]
+  norm = out["layers"]["input_layernorm"]["weight"][1]
   assert np.array_equal(norm, norm.astype(jnp.bfloat16).astype(jnp.float32))
   preset = perturb.preset("fp8", num_layers=4, keep_edge_layers=1)
   assert ("layers.0.*", "bf16") in preset and ("layers.3.*", "bf16") in preset and ("layers.1.*", "bf16") not in preset
@@ -178,7 +178,8 @@ def test_preset_on_a_tied_model_quantizes_the_shared_embedding_once_in_bf16():
   out = perturb.apply_recipe(params, perturb.preset("fp8", num_layers=3, keep_edge_layers=0))
   emb = out["embed_tokens"]["embedding"]
   assert np.array_equal(emb, emb.astype(jnp.bfloat16).astype(jnp.float32))
-  assert not np.array_equal(out["layers_1"]["mlp"]["up_proj"]["kernel"], params["layers_1"]["mlp"]["up_proj"]["kernel"])
+  up = lambda t: t["layers"]["mlp"]["up_proj"]["kernel"][1]
+  assert not np.array_equal(up(out), up(params))
   with pytest.raises(UserError, match="'lm_hea' matches nothing"):  # typos are still errors
     perturb.apply_recipe(params, [("lm_hea", "bf16")])
 
@@ -189,13 +190,84 @@ def test_noise_is_seeded_relative_and_selective():
   b = perturb.add_weight_noise(params, jax.random.key(0), 0.1)
   c = perturb.add_weight_noise(params, jax.random.key(1), 0.1)
   only = perturb.add_weight_noise(params, jax.random.key(0), 0.1, patterns=["layers.1.mlp.*"])
-  w = params["layers_1"]["mlp"]["up_proj"]["kernel"]
-  d = a["layers_1"]["mlp"]["up_proj"]["kernel"] - w
+  up = lambda t, i: t["layers"]["mlp"]["up_proj"]["kernel"][i]
+  w = up(params, 1)
+  d = up(a, 1) - w
   assert jax.tree.all(jax.tree.map(jnp.array_equal, a, b))
-  assert not np.array_equal(a["layers_1"]["mlp"]["up_proj"]["kernel"], c["layers_1"]["mlp"]["up_proj"]["kernel"])
+  assert not np.array_equal(up(a, 1), up(c, 1))
   np.testing.assert_allclose(jnp.std(d) / jnp.sqrt(jnp.mean(w**2)), 0.1, rtol=0.1)
-  assert np.array_equal(only["layers_0"]["mlp"]["up_proj"]["kernel"], params["layers_0"]["mlp"]["up_proj"]["kernel"])
-  assert np.array_equal(only["layers_1"]["mlp"]["up_proj"]["kernel"], a["layers_1"]["mlp"]["up_proj"]["kernel"])
+  assert np.array_equal(up(only, 0), up(params, 0))
+  assert np.array_equal(up(only, 1), up(a, 1))
+
+
+def _three_layers():
+  """3 layers whose weights differ in scale by 10x per layer, so one scale shared across the stack
+  would give visibly different numbers than one scale per layer."""
+  cfg = ModelConfig(model_type="qwen3", vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3,
+                    num_heads=4, num_kv_heads=2, head_dim=8)
+  params = Model(cfg).init(jax.random.key(0))
+  scale = jnp.asarray([1.0, 10.0, 100.0])
+  layers = jax.tree.map(lambda x: x * scale.reshape((3,) + (1,) * (x.ndim - 1)) if x.ndim == 3 else x,
+                        params["layers"])
+  return {**params, "layers": layers}
+
+
+def test_stacked_leaves_are_addressed_per_layer():
+  params = _three_layers()
+  leaves = {(m, n): x.shape for m, n, x in perturb.named_leaves(params)}
+  assert leaves[("layers.2.mlp.down_proj", "kernel")] == (64, 32)
+  assert leaves[("layers.0.input_layernorm", "weight")] == (32,)
+  assert len(perturb.match("*.mlp.*", params)) == 3 * 3
+  abstract = perturb.named_leaves(jax.eval_shape(lambda: params))  # shapes only, nothing to slice
+  assert [(m, n, x.shape) for m, n, x in abstract] == [(m, n, x.shape) for m, n, x in perturb.named_leaves(params)]
+
+
+@pytest.mark.parametrize("spec", ["fp8_e4m3:tensor", "fp8_e5m2:channel", "int8:block", "int8:tensor"])
+def test_per_layer_recipe_quantizes_exactly_that_layer(spec):
+  params = _three_layers()
+  fmt = quant.QuantFormat.parse(spec)
+  one = perturb.apply_recipe(params, [("layers.1.*", spec)])
+  every = perturb.apply_recipe(params, [("*.self_attn.*", spec), ("*.mlp.*", spec)])
+  packed = perturb.apply_recipe(params, [("layers.*", spec)], pack=True)
+  for path, x in jax.tree_util.tree_flatten_with_path(params["layers"])[0]:
+    got, all_layers = (jax.tree_util.keystr(path), x), None
+    y = one["layers"]
+    for k in path:
+      y = y[k.key]
+    assert x.shape == y.shape and y.dtype == x.dtype
+    for i in (0, 2):  # the other layers' slices are untouched, bit for bit
+      np.testing.assert_array_equal(np.asarray(y[i]), np.asarray(x[i]), err_msg=got[0])
+    if x.ndim == 3:  # a matrix: layer 1 gets exactly the numbers it gets quantized alone
+      np.testing.assert_array_equal(np.asarray(y[1]), np.asarray(quant.fake_quant(x[1], fmt)))
+      assert not np.array_equal(np.asarray(y[1]), np.asarray(x[1]))
+      all_layers = every["layers"]
+      q = packed["layers"]
+      for k in path:
+        all_layers, q = all_layers[k.key], q[k.key]
+      # Every layer selected at once: each slice still gets its own scales (tensor: one per layer).
+      for i in range(3):
+        np.testing.assert_array_equal(np.asarray(all_layers[i]), np.asarray(quant.fake_quant(x[i], fmt)))
+      assert isinstance(q, quant.QArray) and q.scale.shape[0] == 3
+      np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(all_layers))
+    else:  # norms under a recipe row round to bf16, never to FP8/INT8
+      np.testing.assert_array_equal(np.asarray(y[1]), np.asarray(x[1].astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+def test_noise_per_layer_is_independent_of_the_selection():
+  params = _three_layers()
+  key = jax.random.key(7)
+  down = lambda t: np.asarray(t["layers"]["mlp"]["down_proj"]["kernel"])
+  every = perturb.add_weight_noise(params, key, 0.1)
+  one = perturb.add_weight_noise(params, key, 0.1, patterns=["layers.1.mlp.down_proj"])
+  np.testing.assert_array_equal(down(one)[1], down(every)[1])  # layer 1's noise, selected alone or with all
+  np.testing.assert_array_equal(down(one)[[0, 2]], down(params)[[0, 2]])
+  eps = [(down(every)[i] - down(params)[i]) / np.sqrt(np.mean(down(params)[i] ** 2)) for i in range(3)]
+  np.testing.assert_allclose([np.std(e) for e in eps], 0.1, rtol=0.1)  # relative to each layer's own rms
+  assert not np.allclose(eps[0], eps[1], atol=1e-3)  # each layer draws its own noise
+  scaled = perturb.add_weight_noise(params, key, 0.1, layer_scale=lambda m: 3.0 if m.startswith("layers.2.") else 1.0)
+  np.testing.assert_array_equal(down(scaled)[1], down(every)[1])
+  np.testing.assert_allclose(down(scaled)[2] - down(params)[2], 3 * (down(every)[2] - down(params)[2]), rtol=1e-4,
+                             atol=1e-4)
 
 
 def test_params_history_gives_exact_lag():
@@ -324,8 +396,8 @@ def test_packed_fp8_engine_matches_fake_quant_and_stores_fp8():
         if isinstance(x, quant.QArray)]
   assert qs and all(x.q.dtype == jnp.float8_e4m3fn for x in qs)
   fake = view.transform(params, 2)
-  np.testing.assert_array_equal(quant.unpack(packed)["layers_0"]["mlp"]["up_proj"]["kernel"],
-                                fake["layers_0"]["mlp"]["up_proj"]["kernel"])
+  np.testing.assert_array_equal(quant.unpack(packed)["layers"]["mlp"]["up_proj"]["kernel"],
+                                fake["layers"]["mlp"]["up_proj"]["kernel"])
   a = JaxEngine(model, packed, max_len=24, pad_id=0, eos_ids=()).generate(PROMPTS, SP, seed=5)
   b = JaxEngine(model, fake, max_len=24, pad_id=0, eos_ids=()).generate(PROMPTS, SP, seed=5)
   np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)

@@ -124,8 +124,8 @@ def test_load_hf_matches_transformers(name, make_hf_model):
 
   # The comparison has power: one changed weight puts it far past the threshold.
   bumped = jax.tree.map(lambda x: x, params)
-  bumped["layers_1"]["self_attn"]["v_proj"]["kernel"] = (
-      params["layers_1"]["self_attn"]["v_proj"]["kernel"].at[3, 5].add(0.2))
+  bumped["layers"]["self_attn"]["v_proj"]["kernel"] = (
+      params["layers"]["self_attn"]["v_proj"]["kernel"].at[1, 3, 5].add(0.2))
   assert divergence(ref, jax_logits(cfg, bumped, tokens, mask, positions), mask)[0] > 10 * MAX_ABS
 
 
@@ -165,8 +165,10 @@ def test_sharded_checkpoint_loads_like_single_file(make_hf_model):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  # Every tensor the config has was read: 3 top-level + 11 per qwen3 layer (4 proj, 2 qk norms, 2 norms, 3 mlp).
-  assert len(jax.tree.leaves(b)) == 3 + 11 * TINY_HF["num_hidden_layers"]
+  # Every tensor the config has was read: 3 top-level + 11 stacked per-layer leaves (4 proj, 2 qk norms,
+  # 2 norms, 3 mlp), each holding every layer.
+  assert len(jax.tree.leaves(b)) == 3 + 11
+  assert all(x.shape[0] == TINY_HF["num_hidden_layers"] for x in jax.tree.leaves(b["layers"]))
 
 
 def test_unknown_model_type_is_rejected(tmp_path):
@@ -242,7 +244,7 @@ def test_bf16_checkpoint_loads_as_float32(make_hf_model, tmp_path):
   params = load_hf_params(str(tmp_path / "bf16"))
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
   want = hf.model.layers[0].self_attn.q_proj.weight.float().detach().numpy().T  # HF stores [out, in]
-  np.testing.assert_array_equal(np.asarray(params["layers_0"]["self_attn"]["q_proj"]["kernel"]), want)
+  np.testing.assert_array_equal(np.asarray(params["layers"]["self_attn"]["q_proj"]["kernel"][0]), want)
 
 
 FAMILY_SWITCH_MISMATCHES = {
@@ -266,3 +268,84 @@ def test_config_a_family_cannot_express_is_never_saved(name, tmp_path, random_pa
   except ValueError:
     return
   assert ModelConfig.from_pretrained(tmp_path / "out") == cfg
+
+
+# --- scanned layers -----------------------------------------------------------------------------
+
+def _scan_cfg(layers):
+  return expected_config(CASES["qwen3-headdim6-bias-tied-mha"]).replace(num_layers=layers, num_kv_heads=2)
+
+
+def test_scanned_layers_equal_the_layers_applied_one_by_one(random_params):
+  """The scan over stacked params is the unrolled loop: layer i's slice applied to layer i - 1's output."""
+  from opdjax.models.decoder import DecoderLayer
+
+  cfg = _scan_cfg(3)
+  model = Model(cfg)
+  params = random_params(model, seed=4, std=0.3)
+  assert params["layers"]["mlp"]["down_proj"]["kernel"].shape == (3, cfg.intermediate_size, cfg.hidden_size)
+  tokens, mask, positions = padded_batch(np.random.default_rng(4), cfg.vocab_size)
+  got, _ = model.hidden(params, tokens, positions, mask)
+
+  def unrolled(order):
+    x = params["embed_tokens"]["embedding"][tokens]
+    for i in order:
+      layer = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+      (x, _), _ = DecoderLayer(cfg).apply({"params": layer}, (x, None), i, positions, mask, None)
+    w = params["norm"]["weight"]
+    return w * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+
+  np.testing.assert_allclose(np.asarray(got), np.asarray(unrolled([0, 1, 2])), atol=1e-5, rtol=1e-5)
+  # The layers differ, so applying the slices in another order is visibly another model.
+  assert float(jnp.max(jnp.abs(got - unrolled([2, 1, 0])))) > 1e-2
+
+
+def _dot_count(fn, *args) -> int:
+  return str(jax.make_jaxpr(fn)(*args)).count("dot_general")
+
+
+def test_traced_program_does_not_grow_with_depth():
+  """One scan body whatever the depth: the forward, the decode step and the remat backward trace
+  the same number of matmuls for 1 and 6 layers (an unrolled decoder has 6x as many)."""
+  tokens = jnp.zeros((2, 5), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  mask = jnp.ones((2, 5), jnp.int32)
+  counts = []
+  for layers in (1, 6):
+    model = Model(_scan_cfg(layers), remat_policy="full")
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    cache = jax.eval_shape(lambda m=model: m.init_cache(2, 8))
+    assert cache["k"].shape == (layers, 2, 8, 2, 6)
+    counts.append((
+        _dot_count(lambda p, m=model: m.apply(p, tokens, positions, mask), params),
+        _dot_count(lambda p, c, m=model: m.apply(p, tokens[:, :1], positions[:, :1], jnp.ones((2, 8)), c), params,
+                   cache),
+        _dot_count(jax.grad(lambda p, m=model: m.apply(p, tokens, positions, mask)[0].sum()), params)))
+  assert counts[0] == counts[1], counts
+  assert min(counts[0]) >= 10  # 7 projections + 2 attention einsums + the logits, at least
+
+
+def test_remat_policies_change_what_is_recomputed_not_the_gradient(random_params):
+  tokens = jnp.asarray(np.random.default_rng(5).integers(3, 61, (2, 6)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  mask = jnp.ones((2, 6), jnp.int32)
+  params = random_params(Model(_scan_cfg(2)), seed=5, std=0.3)
+  grads, dots = [], []
+  for policy in ("nothing", "dots", "full"):
+    model = Model(_scan_cfg(2), remat_policy=policy)
+    loss = lambda p, m=model: jnp.mean(jax.nn.log_softmax(m.apply(p, tokens, positions, mask)[0])[..., 0])
+    grads.append(jax.jit(jax.grad(loss))(params))
+    dots.append(_dot_count(jax.grad(loss), params))
+  # More recomputation, more matmuls in the backward: the policy really is applied.
+  assert dots[0] < dots[1] < dots[2], dots
+  for g in grads[1:]:
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(g), strict=True):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+  assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(grads[0])) > 1e-3
+
+
+def test_unknown_remat_policy_is_a_clear_error():
+  from opdjax.errors import UserError
+
+  with pytest.raises(UserError, match="remat_policy='everything'.*nothing, dots, full"):
+    Model(_scan_cfg(1), remat_policy="everything")

@@ -35,12 +35,12 @@ def _tiny(draw, model_type="llama", sensitive=None, tied=False, seed=0):
   model = Model(cfg)
   params = draw(model, seed, std=0.1)
   if sensitive is not None:
-    layer = params[f"layers_{sensitive}"]
+    layers = params["layers"]  # stacked: [layer, ...]
     for norm, parent, names in (("input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj")),
                                 ("post_attention_layernorm", "mlp", ("gate_proj", "up_proj"))):
-      layer[norm]["weight"] = layer[norm]["weight"].at[0].divide(1e5)
+      layers[norm]["weight"] = layers[norm]["weight"].at[sensitive, 0].divide(1e5)
       for name in names:
-        layer[parent][name]["kernel"] = layer[parent][name]["kernel"].at[0].multiply(1e5)
+        layers[parent][name]["kernel"] = layers[parent][name]["kernel"].at[sensitive, 0].multiply(1e5)
   return model, params
 
 
@@ -74,13 +74,13 @@ def test_one_layer_perturbed_leaves_every_other_layer_bit_identical(llama, pertu
   pp = sensitivity.perturbed(params, ["layers.2.*"], perturbation, jax.random.key(0))
   assert jax.tree.structure(pp) == jax.tree.structure(params)
   changed = set()
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(pp)):
-    assert a.dtype == b.dtype and a.shape == b.shape
+  for (mod, leaf, a), (mod_b, leaf_b, b) in zip(perturb.named_leaves(params), perturb.named_leaves(pp), strict=True):
+    assert (mod, leaf) == (mod_b, leaf_b) and a.dtype == b.dtype and a.shape == b.shape
     if not np.array_equal(np.asarray(a), np.asarray(b)):
-      changed.add(path[0].key)
-  assert changed == {"layers_2"}
+      changed.add(mod.split(".")[:2] == ["layers", "2"])
+  assert changed == {True}  # only layer 2's slices of the stacked params
   for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # every matrix of that layer really changed
-    before, after = params["layers_2"]["self_attn"][name]["kernel"], pp["layers_2"]["self_attn"][name]["kernel"]
+    before, after = params["layers"]["self_attn"][name]["kernel"][2], pp["layers"]["self_attn"][name]["kernel"][2]
     assert not np.array_equal(before, after)
 
 
@@ -193,8 +193,9 @@ def test_mixed_recipe_params_equal_apply_recipe(llama):
   assert jax.tree.structure(mixed) == jax.tree.structure(direct)
   for a, b in zip(jax.tree.leaves(mixed), jax.tree.leaves(direct)):
     assert np.array_equal(a, b)
-  up = "layers_1", "mlp", "up_proj", "kernel"
-  assert not np.array_equal(direct[up[0]][up[1]][up[2]][up[3]], params[up[0]][up[1]][up[2]][up[3]])
+  up = lambda t: t["layers"]["mlp"]["up_proj"]["kernel"]
+  assert not np.array_equal(up(direct)[1], up(params)[1])  # quantized
+  assert np.array_equal(up(direct)[2], up(params)[2].astype(jnp.bfloat16).astype(jnp.float32))  # kept in bf16
 
 
 def test_compare_rankings():

@@ -220,10 +220,10 @@ def test_fused_chunked_gradient_equals_plain_autodiff(kind, is_mode, tied):
     np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=1e-4)
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_bf16_compute_step_with_bf16_teacher_weights(remat):
+@pytest.mark.parametrize("remat_policy", ["nothing", "full"])
+def test_bf16_compute_step_with_bf16_teacher_weights(remat_policy):
   """The GPU configs' precision on CPU: bf16 matmuls, fp32 master params, a bf16-stored teacher."""
-  student = Model(_cfg(hidden=16, layers=1).replace(dtype="bfloat16"), remat=remat)
+  student = Model(_cfg(hidden=16, layers=1).replace(dtype="bfloat16"), remat_policy=remat_policy)
   teacher = Model(_cfg().replace(dtype="bfloat16"))
   t_params = jax.tree.map(lambda x: (4 * x).astype(jnp.bfloat16), teacher.init(jax.random.key(1)))
   opt = make_optimizer(OptimConfig(learning_rate=3e-2, warmup_steps=1, total_steps=20))

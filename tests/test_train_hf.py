@@ -104,17 +104,21 @@ def test_prompt_longer_than_engine_is_one_clear_error(folders, tmp_path, capsys)
 
 
 def test_keep_layers_prunes_like_deleting_hf_layers(folders):
+  import jax
   import torch
   import transformers
 
   from opdjax.errors import UserError
   from opdjax.models import Model, ModelConfig, load_hf_params
-  from opdjax.pipeline.loop import prune_layers
+  from opdjax.pipeline.build import prune_layers
 
   path = folders / "teacher"
   cfg = ModelConfig.from_pretrained(path)
-  pcfg, params = prune_layers(cfg, load_hf_params(str(path), cfg), "1:")
-  assert pcfg.num_layers == 1 and set(k for k in params if k.startswith("layers_")) == {"layers_0"}
+  full_params = load_hf_params(str(path), cfg)
+  pcfg, params = prune_layers(cfg, full_params, "1:")
+  assert pcfg.num_layers == 1
+  for a, b in zip(jax.tree.leaves(params["layers"]), jax.tree.leaves(full_params["layers"]), strict=True):
+    np.testing.assert_array_equal(a, b[1:2])  # the stacked layers sliced: layer 1 is the new layer 0
   hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
   hf.model.layers = torch.nn.ModuleList([hf.model.layers[1]])
   tokens = np.array([[3, 9, 27, 4, 11]])
@@ -122,7 +126,7 @@ def test_keep_layers_prunes_like_deleting_hf_layers(folders):
     want = hf(torch.tensor(tokens), use_cache=False).logits.numpy()
   got, _ = Model(pcfg).apply(params, tokens, np.arange(5)[None], np.ones_like(tokens))
   assert np.abs(np.asarray(got) - want).max() < 1e-4
-  full, _ = Model(cfg).apply(load_hf_params(str(path), cfg), tokens, np.arange(5)[None], np.ones_like(tokens))
+  full, _ = Model(cfg).apply(full_params, tokens, np.arange(5)[None], np.ones_like(tokens))
   assert np.abs(np.asarray(full) - want).max() > 1e-2  # pruning really changed the model
   for bad in ("5", "0:0", "x:y"):
     with pytest.raises(UserError, match="keep_layers"):

@@ -222,9 +222,13 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
 # --- the analysis ------------------------------------------------------------------------------
 
 def _mix(bf16_params, quant_params, bf16_layers: Sequence[int]):
-  """The recipe's params from the all-bf16 and all-quantized trees: layer i from the former if kept."""
-  keep = {f"layers_{i}" for i in bf16_layers}
-  return {k: (bf16_params[k] if k in keep else v) for k, v in quant_params.items()}
+  """The recipe's params from the all-bf16 and all-quantized trees: layer i's slices of the stacked
+  decoder-layer params from the former if kept."""
+  if not bf16_layers:
+    return quant_params
+  keep = np.asarray(sorted(bf16_layers))
+  layers = jax.tree.map(lambda b, q: q.at[keep].set(b[keep]), bf16_params["layers"], quant_params["layers"])
+  return {**quant_params, "layers": layers}
 
 
 def analyse(model: Model, params, scorer: Scorer, settings: Settings, progress: bool = True) -> dict:

@@ -9,6 +9,9 @@ K key/value heads, G = H // K query heads per kv head, E head_dim, V vocab.
 Without a cache, `attention_mask` is the key-padding mask `[B, T]`; with a cache
 it is the mask of valid cache slots `[B, S]` (after writing the new tokens), and
 the new tokens are written at slot `cache["index"]`.
+
+The decoder layers are one `nn.scan` over stacked params (`params["layers"][...]` has a leading
+`[L]` axis) and a stacked cache (`[L, B, S, K, E]`), so compile time does not grow with depth.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from opdjax.errors import UserError
 from opdjax.models import quant
 from opdjax.models.config import ModelConfig
 
@@ -92,7 +96,8 @@ class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, attention_mask, layer_cache):
+  def __call__(self, x_BxTxD, positions_BxT, attention_mask, kv, layer, index):
+    """`kv`: None, or every layer's cache `{"k", "v": [L, B, S, K, E]}`; this layer's slice is `layer`."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     b, t, _ = x_BxTxD.shape
@@ -108,19 +113,18 @@ class Attention(nn.Module):
     if cfg.kv_quant != "none":
       kk, v = kv_fake_quant(kk, cfg), kv_fake_quant(v, cfg)
 
-    if layer_cache is None:
+    if kv is None:
       keys_BxSxKxE, values_BxSxKxE = kk, v
       q_slot = jnp.arange(t)
       k_slot = jnp.arange(t)
-      new_cache = None
     else:
-      idx = layer_cache["index"]
-      keys_BxSxKxE = jax.lax.dynamic_update_slice(
-          layer_cache["k"], kk.astype(layer_cache["k"].dtype), (0, idx, 0, 0))
-      values_BxSxKxE = jax.lax.dynamic_update_slice(
-          layer_cache["v"], v.astype(layer_cache["v"].dtype), (0, idx, 0, 0))
-      new_cache = {"k": keys_BxSxKxE, "v": values_BxSxKxE}
-      q_slot = idx + jnp.arange(t)
+      # Only the new tokens are written, into the stacked cache the scan carries, so a decode
+      # step updates the cache in place instead of copying a layer's slice out and back.
+      at = (layer, 0, index, 0, 0)
+      kv = {"k": jax.lax.dynamic_update_slice(kv["k"], kk[None].astype(kv["k"].dtype), at),
+            "v": jax.lax.dynamic_update_slice(kv["v"], v[None].astype(kv["v"].dtype), at)}
+      keys_BxSxKxE, values_BxSxKxE = kv["k"][layer], kv["v"][layer]
+      q_slot = index + jnp.arange(t)
       k_slot = jnp.arange(keys_BxSxKxE.shape[1])
     causal_TxS = q_slot[:, None] >= k_slot[None, :]
     mask_BxTxS = causal_TxS[None] & attention_mask[:, None, :].astype(bool)
@@ -134,7 +138,7 @@ class Attention(nn.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bske->btkge", probs, values_BxSxKxE.astype(dt))
     out = out.reshape(b, t, h * e)
-    return _dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", cfg)(out), new_cache
+    return _dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", cfg)(out), kv
 
 
 class MLP(nn.Module):
@@ -149,45 +153,73 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+  """One layer as a scan body: carry `(x, kv)`, scanned over the layer index."""
+
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, attention_mask, layer_cache):
+  def __call__(self, carry, layer, positions, attention_mask, index):
+    x, kv = carry
     cfg = self.cfg
     h = RMSNorm(cfg.rms_norm_eps, name="input_layernorm")(x)
-    a, layer_cache = Attention(cfg, name="self_attn")(h, positions, attention_mask, layer_cache)
+    a, kv = Attention(cfg, name="self_attn")(h, positions, attention_mask, kv, layer, index)
     x = x + a
     h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm")(x)
-    return x + MLP(cfg, name="mlp")(h), layer_cache
+    return (x + MLP(cfg, name="mlp")(h), kv), None
+
+
+# What the backward pass keeps of each layer's forward: everything, the matmul outputs (the
+# attention einsums, which have batch dims, are recomputed), or only the layer's input.
+REMAT_POLICIES = {
+    "nothing": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def check_remat_policy(name: str) -> str:
+  if name not in REMAT_POLICIES:
+    raise UserError(f"remat_policy={name!r}: choose one of {', '.join(REMAT_POLICIES)}"
+                    " (nothing: keep all activations; dots: keep matmul outputs; full: recompute each layer).")
+  return name
+
+
+def scanned_layers(cfg: ModelConfig, remat_policy: str, name: str = "layers") -> nn.Module:
+  """Every decoder layer as one `nn.scan`: params stacked on a leading `[L]` axis, one compiled body."""
+  layer = DecoderLayer
+  if REMAT_POLICIES[check_remat_policy(remat_policy)] is not None:
+    # prevent_cse=False: inside a scan the loop already keeps XLA from merging the recomputation back.
+    layer = nn.remat(DecoderLayer, policy=REMAT_POLICIES[remat_policy], prevent_cse=False)
+  scan = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers)
+  return scan(cfg, name=name)
 
 
 class Decoder(nn.Module):
   """Returns the final hidden states `[B, T, D]`; `logits` projects them."""
 
   cfg: ModelConfig
-  remat: bool = False
+  remat_policy: str = "nothing"
 
   def setup(self):
     cfg = self.cfg
     self.embed_tokens = nn.Embed(
         cfg.vocab_size, cfg.hidden_size, param_dtype=jnp.float32,
         embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
-    layer_cls = nn.remat(DecoderLayer) if self.remat else DecoderLayer
-    self.layers = [layer_cls(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
+    self.layers = scanned_layers(cfg, self.remat_policy)
     self.norm = RMSNorm(cfg.rms_norm_eps, name="norm")
     if not cfg.tie_word_embeddings:
       self.lm_head = _dense(cfg.vocab_size, False, "lm_head", cfg, act_quant=False)
 
   def __call__(self, tokens_BxT, positions_BxT, attention_mask, cache: Cache | None = None):
     x = self.embed_tokens(tokens_BxT).astype(jnp.dtype(self.cfg.dtype))
-    new_layers = []
-    for i, layer in enumerate(self.layers):
-      lc = None if cache is None else {**cache["layers"][i], "index": cache["index"]}
-      x, lc = layer(x, positions_BxT, attention_mask, lc)
-      new_layers.append(lc)
+    kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+    index = None if cache is None else cache["index"]
+    layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+    (x, kv), _ = self.layers((x, kv), layer_ids, positions_BxT, attention_mask, index)
     x = self.norm(x)
     if cache is not None:
-      cache = {"index": cache["index"] + tokens_BxT.shape[1], "layers": new_layers}
+      cache = {"index": index + tokens_BxT.shape[1], **kv}
     return x, cache
 
   def logits(self, hidden_BxTxD):
@@ -210,11 +242,13 @@ class Decoder(nn.Module):
 
 
 class Model:
-  """Pure-functional handle on the decoder: params are a plain pytree."""
+  """Pure-functional handle on the decoder: params are a plain pytree, the decoder layers' stacked
+  under `params["layers"]` (leading axis: the layer)."""
 
-  def __init__(self, cfg: ModelConfig, remat: bool = False):
+  def __init__(self, cfg: ModelConfig, remat_policy: str = "nothing"):
     self.cfg = cfg
-    self.module = Decoder(cfg, remat=remat)
+    self.remat_policy = check_remat_policy(remat_policy)
+    self.module = Decoder(cfg, remat_policy=remat_policy)
 
   def init(self, rng: jax.Array) -> Params:
     tokens = jnp.zeros((1, 2), jnp.int32)
@@ -238,14 +272,11 @@ class Model:
     return self.logits(params, h), cache
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+    """`{"index": i32, "k", "v": [L, B, S, K, E]}`: every layer's keys and values, stacked."""
     cfg = self.cfg
     dt = jnp.dtype(dtype or cfg.dtype)
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return {
-        "index": jnp.zeros((), jnp.int32),
-        "layers": [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
-                   for _ in range(cfg.num_layers)],
-    }
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return {"index": jnp.zeros((), jnp.int32), "k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
 
 
 def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:

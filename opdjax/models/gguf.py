@@ -16,7 +16,7 @@ import numpy as np
 
 from opdjax.errors import UserError
 from opdjax.models.config import ModelConfig
-from opdjax.models.hf_io import name_pairs, save_hf_params
+from opdjax.models.hf_io import from_hf, hf_names, save_hf_params
 
 # GGUF tensor name (without `blk.{i}.` and without `.weight`/`.bias`) -> HF module name.
 GGUF_NAMES: dict[str, str] = {
@@ -131,18 +131,13 @@ def params_from_gguf(reader, cfg: ModelConfig, progress: bool = False) -> dict[s
     elif ".k_proj." in name:
       w = unpermute_rope(w, cfg.num_kv_heads)
     hf[name] = w
-  params: dict[str, Any] = {}
-  for jax_path, name, transpose in name_pairs(cfg):
-    if name not in hf:
-      raise UserError(f"GGUF file lacks the tensor for {name}; it is not a complete Llama checkpoint.")
-    node = params
-    *parents, leaf = jax_path.split("/")
-    for k in parents:
-      node = node.setdefault(k, {})
-    node[leaf] = hf.pop(name).T if transpose else hf.pop(name)
-  if hf:
-    raise UserError(f"GGUF tensors this config does not use: {sorted(hf)[:5]}")
-  return params
+  missing = [name for name in hf_names(cfg) if name not in hf]
+  if missing:
+    raise UserError(f"GGUF file lacks the tensor for {missing[0]}; it is not a complete Llama checkpoint.")
+  unused = sorted(set(hf) - set(hf_names(cfg)))
+  if unused:
+    raise UserError(f"GGUF tensors this config does not use: {unused[:5]}")
+  return from_hf(hf, cfg)
 
 
 def tokenizer_from_metadata(meta: dict[str, Any]):

@@ -1,9 +1,10 @@
 """Hugging Face safetensors <-> opdjax params, through one declarative table.
 
-Each row maps an opdjax param path (with `{i}` for the layer index) to the HF
-tensor name; `T` marks a Linear weight, stored `[out, in]` by HF and `[in, out]`
-by Flax. Rows whose tensor a config does not have (biases, q/k norms, lm_head
-when tied) are skipped by `_present`.
+Each row maps an opdjax param path to the HF tensor name; `T` marks a Linear weight, stored
+`[out, in]` by HF and `[in, out]` by Flax. A row whose HF name has `{i}` is a decoder-layer tensor:
+opdjax holds the L layers' tensors stacked on a leading axis under `layers/` (the scanned decoder),
+HF one tensor per layer (`model.layers.{i}.`). Rows whose tensor a config does not have (biases,
+q/k norms, lm_head when tied) are skipped by `_present`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -24,24 +26,24 @@ PARAM_TABLE: tuple[tuple[str, str, bool], ...] = (
     ("embed_tokens/embedding", "model.embed_tokens.weight", False),
     ("norm/weight", "model.norm.weight", False),
     ("lm_head/kernel", "lm_head.weight", True),
-    ("layers_{i}/input_layernorm/weight", "model.layers.{i}.input_layernorm.weight", False),
-    ("layers_{i}/post_attention_layernorm/weight", "model.layers.{i}.post_attention_layernorm.weight", False),
-    ("layers_{i}/self_attn/q_proj/kernel", "model.layers.{i}.self_attn.q_proj.weight", True),
-    ("layers_{i}/self_attn/k_proj/kernel", "model.layers.{i}.self_attn.k_proj.weight", True),
-    ("layers_{i}/self_attn/v_proj/kernel", "model.layers.{i}.self_attn.v_proj.weight", True),
-    ("layers_{i}/self_attn/o_proj/kernel", "model.layers.{i}.self_attn.o_proj.weight", True),
-    ("layers_{i}/self_attn/q_proj/bias", "model.layers.{i}.self_attn.q_proj.bias", False),
-    ("layers_{i}/self_attn/k_proj/bias", "model.layers.{i}.self_attn.k_proj.bias", False),
-    ("layers_{i}/self_attn/v_proj/bias", "model.layers.{i}.self_attn.v_proj.bias", False),
-    ("layers_{i}/self_attn/o_proj/bias", "model.layers.{i}.self_attn.o_proj.bias", False),
-    ("layers_{i}/self_attn/q_norm/weight", "model.layers.{i}.self_attn.q_norm.weight", False),
-    ("layers_{i}/self_attn/k_norm/weight", "model.layers.{i}.self_attn.k_norm.weight", False),
-    ("layers_{i}/mlp/gate_proj/kernel", "model.layers.{i}.mlp.gate_proj.weight", True),
-    ("layers_{i}/mlp/up_proj/kernel", "model.layers.{i}.mlp.up_proj.weight", True),
-    ("layers_{i}/mlp/down_proj/kernel", "model.layers.{i}.mlp.down_proj.weight", True),
-    ("layers_{i}/mlp/gate_proj/bias", "model.layers.{i}.mlp.gate_proj.bias", False),
-    ("layers_{i}/mlp/up_proj/bias", "model.layers.{i}.mlp.up_proj.bias", False),
-    ("layers_{i}/mlp/down_proj/bias", "model.layers.{i}.mlp.down_proj.bias", False),
+    ("layers/input_layernorm/weight", "model.layers.{i}.input_layernorm.weight", False),
+    ("layers/post_attention_layernorm/weight", "model.layers.{i}.post_attention_layernorm.weight", False),
+    ("layers/self_attn/q_proj/kernel", "model.layers.{i}.self_attn.q_proj.weight", True),
+    ("layers/self_attn/k_proj/kernel", "model.layers.{i}.self_attn.k_proj.weight", True),
+    ("layers/self_attn/v_proj/kernel", "model.layers.{i}.self_attn.v_proj.weight", True),
+    ("layers/self_attn/o_proj/kernel", "model.layers.{i}.self_attn.o_proj.weight", True),
+    ("layers/self_attn/q_proj/bias", "model.layers.{i}.self_attn.q_proj.bias", False),
+    ("layers/self_attn/k_proj/bias", "model.layers.{i}.self_attn.k_proj.bias", False),
+    ("layers/self_attn/v_proj/bias", "model.layers.{i}.self_attn.v_proj.bias", False),
+    ("layers/self_attn/o_proj/bias", "model.layers.{i}.self_attn.o_proj.bias", False),
+    ("layers/self_attn/q_norm/weight", "model.layers.{i}.self_attn.q_norm.weight", False),
+    ("layers/self_attn/k_norm/weight", "model.layers.{i}.self_attn.k_norm.weight", False),
+    ("layers/mlp/gate_proj/kernel", "model.layers.{i}.mlp.gate_proj.weight", True),
+    ("layers/mlp/up_proj/kernel", "model.layers.{i}.mlp.up_proj.weight", True),
+    ("layers/mlp/down_proj/kernel", "model.layers.{i}.mlp.down_proj.weight", True),
+    ("layers/mlp/gate_proj/bias", "model.layers.{i}.mlp.gate_proj.bias", False),
+    ("layers/mlp/up_proj/bias", "model.layers.{i}.mlp.up_proj.bias", False),
+    ("layers/mlp/down_proj/bias", "model.layers.{i}.mlp.down_proj.bias", False),
 )
 
 
@@ -59,14 +61,13 @@ def _present(cfg: ModelConfig, jax_path: str) -> bool:
   return True
 
 
-def name_pairs(cfg: ModelConfig):
-  """Yields (opdjax path, HF name, transpose) for every tensor this config has."""
-  for jax_path, hf_name, transpose in PARAM_TABLE:
-    layers = range(cfg.num_layers) if "{i}" in jax_path else [None]
-    for i in layers:
-      jp = jax_path.format(i=i) if i is not None else jax_path
-      if _present(cfg, jp):
-        yield jp, (hf_name.format(i=i) if i is not None else hf_name), transpose
+def _rows(cfg: ModelConfig):
+  return [row for row in PARAM_TABLE if _present(cfg, row[0])]
+
+
+def hf_names(cfg: ModelConfig) -> list[str]:
+  """Every HF tensor name this config has."""
+  return [hf.format(i=i) for _, hf, _ in _rows(cfg) for i in (range(cfg.num_layers) if "{i}" in hf else [None])]
 
 
 def _set(tree: dict, path: str, value) -> None:
@@ -80,6 +81,33 @@ def _get(tree: dict, path: str):
   for k in path.split("/"):
     tree = tree[k]
   return tree
+
+
+def from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype=np.float32) -> dict[str, Any]:
+  """opdjax params (NumPy leaves) from HF-named tensors; every name of `hf_names(cfg)` must be there."""
+
+  def one(name, transpose):
+    w = np.asarray(tensors[name]).astype(dtype)
+    return w.T if transpose else w
+
+  params: dict[str, Any] = {}
+  for jp, hf, transpose in _rows(cfg):
+    if "{i}" in hf:
+      _set(params, jp, np.stack([one(hf.format(i=i), transpose) for i in range(cfg.num_layers)]))
+    else:
+      _set(params, jp, one(hf, transpose))
+  return params
+
+
+def to_hf(params, cfg: ModelConfig, dtype=np.float32) -> dict[str, np.ndarray]:
+  """HF-named tensors (HF's `[out, in]` layout, one per layer) from opdjax params."""
+  out = {}
+  for jp, hf, transpose in _rows(cfg):
+    w = np.asarray(jax.device_get(_get(params, jp))).astype(dtype)
+    for i in range(cfg.num_layers) if "{i}" in hf else [None]:
+      x = w if i is None else w[i]
+      out[hf.format(i=i) if i is not None else hf] = np.ascontiguousarray(x.T if transpose else x)
+  return out
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
@@ -112,17 +140,10 @@ def load_hf_params(path: str, cfg: ModelConfig | None = None, dtype=np.float32):
   """Reads an HF safetensors folder (single file or sharded) into an opdjax params pytree."""
   cfg = cfg or ModelConfig.from_pretrained(path)
   tensors = _read_tensors(path)
-  params: dict[str, Any] = {}
-  missing = []
-  for jp, hf, transpose in name_pairs(cfg):
-    if hf not in tensors:
-      missing.append(hf)
-      continue
-    w = np.asarray(tensors[hf]).astype(dtype)
-    _set(params, jp, w.T if transpose else w)
+  missing = [name for name in hf_names(cfg) if name not in tensors]
   if missing:
     raise ValueError(f"{path}: missing tensors for this config: {missing[:5]}{'...' if len(missing) > 5 else ''}")
-  return jax.tree.map(jax.numpy.asarray, params)
+  return jax.tree.map(jax.numpy.asarray, from_hf(tensors, cfg, dtype))
 
 
 def save_hf_params(params, cfg: ModelConfig, path: str, extra_files: dict[str, str] | None = None,
@@ -134,13 +155,10 @@ def save_hf_params(params, cfg: ModelConfig, path: str, extra_files: dict[str, s
   """
   if os.path.exists(path) and os.listdir(path):
     raise FileExistsError(f"{path} exists and is not empty; choose a new folder (nothing was overwritten).")
+  tensors = to_hf(params, cfg, dtype)
   parent = os.path.dirname(os.path.abspath(path))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
-  tensors = {}
-  for jp, hf, transpose in name_pairs(cfg):
-    w = np.asarray(jax.device_get(_get(params, jp))).astype(dtype)
-    tensors[hf] = np.ascontiguousarray(w.T if transpose else w)
   save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
   hf_cfg = cfg.to_hf_dict()
   hf_cfg["torch_dtype"] = np.dtype(dtype).name

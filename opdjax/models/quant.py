@@ -58,8 +58,11 @@ def absmax_scale(x: jax.Array, name: str, axis=None) -> jax.Array:
   """absmax / format max over `axis`, never below the smallest normal fp32. The floor applies after
   the division: tiny / qmax is subnormal, which XLA flushes to zero, and an all-zero group would
   then divide 0 by 0. Floored, a zero group quantizes to exact zeros, and a group whose absmax is
-  below qmax * tiny still never saturates."""
-  return jnp.maximum(jnp.max(jnp.abs(x), axis=axis, keepdims=True) / _qmax(name), jnp.finfo(jnp.float32).tiny)
+  below qmax * tiny still never saturates. The division is a product with the reciprocal, which is
+  what XLA:CPU makes of a division by a constant on some shapes only: written out, a layer's scale
+  has the same bits whether it is computed alone or in a stack of layers."""
+  amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+  return jnp.maximum(amax * jnp.float32(1.0 / _qmax(name)), jnp.finfo(jnp.float32).tiny)
 
 
 @flax.struct.dataclass
@@ -80,7 +83,8 @@ class QArray:
 def quantize(x: jax.Array, fmt: QuantFormat) -> QArray:
   """Scales are absmax / format max: `tensor`, one; `channel`, one per index of the last axis
   (the output channels of an `[in, out]` kernel); `block`, one per 128x128 tile (DeepSeek-V3
-  style), ragged edges padded."""
+  style), ragged edges padded. Leading axes are a stack of matrices (the decoder's layers), each
+  with its own scales: a stacked `[L, in, out]` kernel quantizes as its L matrices would alone."""
   x = x.astype(jnp.float32)
   if x.ndim < 2:
     raise UserError(f"{fmt} applies to matrices; 1-D tensors (norms, biases) stay in fp32/bf16.")
@@ -91,7 +95,7 @@ def quantize(x: jax.Array, fmt: QuantFormat) -> QArray:
     scale = absmax_scale(x_t, fmt.name, axis=(-3, -1))
   else:
     x_t = x
-    scale = absmax_scale(x, fmt.name, axis=None if fmt.granularity == "tensor" else -2)
+    scale = absmax_scale(x, fmt.name, axis=(-2, -1) if fmt.granularity == "tensor" else -2)
   return QArray(round_to_format(x_t / scale, fmt.name), scale, tuple(x.shape))
 
 

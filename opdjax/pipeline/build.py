@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 
+import jax
 import ml_collections
+import numpy as np
 
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig, load_hf_params
@@ -41,9 +43,8 @@ def prune_layers(model_cfg: ModelConfig, params, keep: str):
     raise UserError(f"keep_layers={keep!r}: give a slice like '0::2' or indices like '0,3,5'.") from None
   if not kept or any(not 0 <= i < n for i in kept):
     raise UserError(f"keep_layers={keep!r} selects {kept} of a {n}-layer model.")
-  pruned = {k: v for k, v in params.items() if not k.startswith("layers_")}
-  pruned.update({f"layers_{j}": params[f"layers_{i}"] for j, i in enumerate(kept)})
-  return model_cfg.replace(num_layers=len(kept)), pruned
+  idx = np.asarray(kept)
+  return model_cfg.replace(num_layers=len(kept)), {**params, "layers": jax.tree.map(lambda x: x[idx], params["layers"])}
 
 
 def load_model(role: str, cfg: ml_collections.ConfigDict, task):
@@ -62,6 +63,14 @@ def load_model(role: str, cfg: ml_collections.ConfigDict, task):
   if model_cfg.vocab_size < task.vocab_size:
     raise UserError(f"{role} vocab_size={model_cfg.vocab_size} is smaller than the task's tokenizer"
                      f" ({task.vocab_size} tokens); use a {role} that matches the prompts' tokenizer.")
-  return Model(model_cfg.replace(dtype=cfg.model.dtype), remat=cfg.model.remat), params
+  return Model(model_cfg.replace(dtype=cfg.model.dtype), remat_policy=_remat_policy(cfg.model)), params
+
+
+def _remat_policy(model_cfg) -> str:
+  """`model.remat_policy`, or from a config that still says `model.remat` (True: full, False: nothing)."""
+  policy = getattr(model_cfg, "remat_policy", None)
+  if policy is not None:
+    return policy
+  return "full" if getattr(model_cfg, "remat", False) else "nothing"
 
 

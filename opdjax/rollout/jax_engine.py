@@ -135,7 +135,7 @@ class JaxEngine(RolloutEngine):
           f"prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} exceeds the"
           f" engine's max_len={self.max_len}; shorten the prompt or raise rollout.max_len.")
     b = toks.shape[0]
-    if self._cache is None or self._cache["layers"][0]["k"].shape[:2] != (b, total):
+    if self._cache is None or self._cache["k"].shape[1:3] != (b, total):
       self._cache = self.model.init_cache(b, total, self.kv_dtype)
     tokens, cmask, lps, self._cache = self._fn(sampling)(
         self._params, self._cache, jnp.asarray(toks), jnp.asarray(mask), jax.random.key(seed))
