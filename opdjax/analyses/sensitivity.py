@@ -420,6 +420,8 @@ def _plot_sweep(results: dict, path: str) -> str:
 
 
 def _plot_recipe(results: dict, path: str) -> str:
+  from matplotlib.ticker import MaxNLocator
+
   rec, base, curve = results["recipe"], results["baselines"], results["curve"]
   fig, ax = reporting.figure(figsize=(6, 3.4))
   ks = [r["k"] for r in curve]
@@ -431,7 +433,7 @@ def _plot_recipe(results: dict, path: str) -> str:
   ax.axhline(rec["target_kl"], color="gray", lw=0.8, ls=":", label="target")
   ax.axvline(rec["k"], color="gray", lw=0.5)
   ax.set_yscale("log")
-  ax.xaxis.get_major_locator().sync(integer=True)
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_xlabel(f"k layers kept in bf16 (the rest {_short(rec['format'])})")
   ax.set_ylabel("exact KL")
   ax.set_title(f"{results['model'].get('path', '')}: recipe KL vs memory", fontsize=9)
