@@ -235,7 +235,7 @@ def test_settings_from_the_default_config():
 
 def test_cli_rejects_bad_input_before_loading(tmp_path, capsys):
   assert cli.main(["sensitivity", "--out", str(tmp_path), "--config.sensitivity.model=critic"]) == 2
-  assert "choose 'teacher' or 'student'" in capsys.readouterr().err
+  assert "sensitivity.model='critic'; choose one of 'teacher', 'student'" in capsys.readouterr().err
   assert not os.listdir(tmp_path)
 
 

@@ -41,7 +41,6 @@ import numpy as np
 from tqdm import tqdm
 
 from opdjax.analyses import capacity, reporting
-from opdjax.analyses.mismatch import sampling_params
 from opdjax.errors import UserError
 from opdjax.models import quant
 from opdjax.models.decoder import Model
@@ -329,7 +328,7 @@ def compare(a: dict, b: dict) -> dict:
 
 def run(cfg: ml_collections.ConfigDict, out_dir: str | None = None, progress: bool = True) -> dict:
   """Loads `sensitivity.model`, samples the tokens, sweeps, builds the recipe; writes `out_dir`."""
-  from opdjax.pipeline.loop import load_model, make_task  # loop imports the whole training stack
+  from opdjax.pipeline.build import load_model, make_task
 
   settings = Settings.from_config(cfg.sensitivity)
   t0 = time.time()
@@ -337,13 +336,13 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str | None = None, progress: bo
   model, params = load_model(settings.model, cfg, task)
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)  # fake quant returns fp32
   prompts = task.eval_set()[0][: settings.num_prompts]
-  sampling = sampling_params(cfg)
+  sampling = cfg.rollout.sampling
   batch = sample_tokens(model, params, prompts, sampling, settings.seed, cfg.rollout.max_len, task.pad_id,
                         task.eos_ids)
   scorer = Scorer(model, params, batch, sampling, chunk=cfg.loss.chunk)
   results = analyse(model, params, scorer, settings, progress)
   results["model"]["role"] = settings.model
-  results["model"]["path"] = cfg[settings.model].path or f"demo {settings.model} (cached SFT model)"
+  results["model"]["path"] = getattr(cfg, settings.model).path or f"demo {settings.model} (cached SFT model)"
   results["sampling"] = dataclasses.asdict(sampling)
   results["seconds"] = round(time.time() - t0, 1)
   if out_dir:

@@ -17,16 +17,18 @@ import ml_collections
 
 from opdjax.config.loader import ConfigError
 from opdjax.errors import UserError
+from opdjax.models.decoder import REMAT_POLICIES
 from opdjax.rollout.base import SamplingParams
 from opdjax.training.loss import LossConfig
 from opdjax.training.step import OptimConfig
 
 ENGINES = ("jax", "vllm")
 DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("nothing", "dots", "full")
 NONFINITE = ("halt", "skip")
 TASKS = ("addition", "prompts")
 BEST_METRICS = ("", "reverse_kl", "accuracy")
+ASYNC_MODES = ("exact", "bounded")
+GUARDS = ("warn", "backoff", "halt")
 
 
 def _choice(key: str, value, choices) -> None:
@@ -155,6 +157,11 @@ class VllmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
+  """`async_depth` k > 0: a producer samples while the trainer trains, at most k params versions
+  behind (opdjax.pipeline.async_sampler); `async_mode` exact (always k behind: equals the `lag=k`
+  view bitwise) or bounded (the newest params within k). `devices`: the local device index the JAX
+  engine's producer samples on (default: the last one that is not the trainer's)."""
+
   engine: str = "jax"
   view: str = "clean"
   batch_size: int = 64
@@ -164,6 +171,9 @@ class RolloutConfig:
   top_p: float = 1.0
   top_k: int = 0
   max_len: int = 32
+  async_depth: int = 0
+  async_mode: str = "exact"
+  devices: str = ""
 
   @property
   def sampling(self) -> SamplingParams:
@@ -191,13 +201,38 @@ class RolloutConfig:
                         " precision is set by rollout.vllm.dtype / kv_cache_dtype / quantization; the view may only"
                         " change weights, noise and lag.")
     self.vllm.check()
+    self._check_async()
+
+  def _check_async(self):
+    from opdjax.views.view import EngineView
+
+    if self.async_depth < 0:
+      raise UserError(f"rollout.async_depth={self.async_depth}: must be >= 0 (0 samples synchronously, k > 0 lets"
+                      " the producer run k params versions ahead).")
+    _choice("rollout.async_mode", self.async_mode, ASYNC_MODES)
+    lag = EngineView.parse(self.view).lag
+    if lag and self.async_depth:
+      raise UserError(f"rollout.view={self.view} has lag={lag} and rollout.async_depth={self.async_depth}: give the"
+                      f" staleness once (rollout.async_depth={lag} with async_mode='exact' equals lag={lag}).")
+    if self.devices:
+      if not self.async_depth:
+        raise UserError(f"rollout.devices={self.devices!r} places the asynchronous producer; set"
+                        " rollout.async_depth > 0, or leave rollout.devices empty.")
+      if self.engine != "jax":
+        raise UserError(f"rollout.devices={self.devices!r}: only the JAX engine samples on this process's devices;"
+                        " leave it empty with rollout.engine='vllm'.")
+      if not all(x.strip().isdigit() for x in self.devices.split(",")):
+        raise UserError(f"rollout.devices={self.devices!r}: give a device index (e.g. '1'), as in jax.local_devices().")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Checkpoints (Orbax) go to OUT/checkpoints every `checkpoint_every` steps and at the end; the same
   --out resumes from the latest. on_nonfinite: halt (keep the last good checkpoint) or skip.
-  tensorboard: also write TensorBoard event files under OUT/tensorboard/."""
+  tensorboard: also write TensorBoard event files under OUT/tensorboard/.
+  budget: a budget.json of `opdjax calibrate`; `guard` compares the mean of the last `guard_window`
+  steps' mismatch with it: warn, backoff (lower rollout.async_depth, then switch to `guard_view`)
+  or halt (opdjax.pipeline.guard)."""
 
   steps: int = 800
   eval_every: int = 1
@@ -206,6 +241,10 @@ class TrainConfig:
   best_metric: str = "reverse_kl"
   on_nonfinite: str = "halt"
   tensorboard: bool = False
+  budget: str = ""
+  guard: str = "warn"
+  guard_view: str = ""
+  guard_window: int = 5
 
   def check(self):
     _positive("train.steps", self.steps)
@@ -214,6 +253,23 @@ class TrainConfig:
     _positive("train.keep_checkpoints", self.keep_checkpoints)
     _choice("train.best_metric", self.best_metric, BEST_METRICS)
     _choice("train.on_nonfinite", self.on_nonfinite, NONFINITE)
+    _choice("train.guard", self.guard, GUARDS)
+    _positive("train.guard_window", self.guard_window)
+    if self.budget and not os.path.isfile(self.budget):
+      raise UserError(f"train.budget={self.budget!r} does not exist; write one with `opdjax calibrate --out DIR`"
+                      " (DIR/budget.json), or leave train.budget empty.")
+    if self.guard != "warn" and not self.budget:
+      raise UserError(f"train.guard={self.guard!r} needs train.budget=PATH (a budget.json of `opdjax calibrate`).")
+    if self.guard_view:
+      if self.guard != "backoff":
+        raise UserError(f"train.guard_view={self.guard_view!r} is the view train.guard='backoff' switches to; set"
+                        " train.guard=backoff, or leave train.guard_view empty.")
+      _views("train.guard_view", self.guard_view, sep="\0")
+      from opdjax.views.view import EngineView
+
+      if EngineView.parse(self.guard_view).lag:
+        raise UserError(f"train.guard_view={self.guard_view!r} has a lag: a backoff lowers staleness through"
+                        " rollout.async_depth; give the guard a view without lag (e.g. 'clean').")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,6 +408,11 @@ class Config:
       section = getattr(self, f.name)
       if hasattr(section, "check"):
         section.check()
+    if self.train.guard_view and self.rollout.engine == "vllm":
+      try:
+        RolloutConfig(engine="vllm", view=self.train.guard_view).check()
+      except UserError as e:
+        raise UserError(f"train.guard_view: {e}") from None
     if self.task.name == "prompts" and not self.teacher.path:
       raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
     return self

@@ -41,9 +41,13 @@ KNOWN: dict[str, Source] = {
 }
 
 
-def model_dir(name: str, cache_dir: str | None = None) -> str:
-  from opdjax.tasks.demo_models import cache_root
+def cache_root() -> str:
+  base = os.environ.get("OPDJAX_CACHE") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "opdjax")
+  return base
 
+
+def model_dir(name: str, cache_dir: str | None = None) -> str:
   return os.path.join(cache_dir or cache_root(), "models", name)
 
 

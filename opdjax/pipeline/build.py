@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import jax
-import ml_collections
 import numpy as np
 
 from opdjax.errors import UserError
@@ -17,7 +16,7 @@ from opdjax.tasks.demo_models import cached_sft_model
 from opdjax.tasks.prompts import PromptsTask
 
 
-def make_task(cfg: ml_collections.ConfigDict):
+def make_task(cfg):
   if cfg.task.name == "addition":
     return AdditionTask(cfg.task.max_digits, num_eval=cfg.task.num_eval)
   if cfg.task.name == "prompts":
@@ -47,13 +46,14 @@ def prune_layers(model_cfg: ModelConfig, params, keep: str):
   return model_cfg.replace(num_layers=len(kept)), {**params, "layers": jax.tree.map(lambda x: x[idx], params["layers"])}
 
 
-def load_model(role: str, cfg: ml_collections.ConfigDict, task):
-  mc = cfg[role]
+def load_model(role: str, cfg, task):
+  """(Model, params) of `role` (teacher or student) from the typed config."""
+  mc = getattr(cfg, role)
   if mc.path:
     path = resolve(mc.path)
     model_cfg = ModelConfig.from_pretrained(path)
     params = load_hf_params(path, model_cfg)
-    if mc.get("keep_layers"):
+    if mc.keep_layers:
       model_cfg, params = prune_layers(model_cfg, params, mc.keep_layers)
   elif isinstance(task, AdditionTask):
     model, params, _ = cached_sft_model(role, mc, task, cfg.seed)
@@ -63,14 +63,4 @@ def load_model(role: str, cfg: ml_collections.ConfigDict, task):
   if model_cfg.vocab_size < task.vocab_size:
     raise UserError(f"{role} vocab_size={model_cfg.vocab_size} is smaller than the task's tokenizer"
                      f" ({task.vocab_size} tokens); use a {role} that matches the prompts' tokenizer.")
-  return Model(model_cfg.replace(dtype=cfg.model.dtype), remat_policy=_remat_policy(cfg.model)), params
-
-
-def _remat_policy(model_cfg) -> str:
-  """`model.remat_policy`, or from a config that still says `model.remat` (True: full, False: nothing)."""
-  policy = getattr(model_cfg, "remat_policy", None)
-  if policy is not None:
-    return policy
-  return "full" if getattr(model_cfg, "remat", False) else "nothing"
-
-
+  return Model(model_cfg.replace(dtype=cfg.model.dtype), remat_policy=cfg.model.remat_policy), params

@@ -20,6 +20,7 @@ import optax
 
 from opdjax.models import Model, ModelConfig, load_hf_params, save_hf_params
 from opdjax.models.decoder import positions_from_mask
+from opdjax.models.fetch import cache_root
 from opdjax.scoring.rescore import masked_mean
 from opdjax.tasks.addition import BOS, EOS, PAD, VOCAB_SIZE, AdditionTask
 
@@ -32,11 +33,6 @@ def demo_model_config(hidden: int, layers: int, heads: int) -> ModelConfig:
       num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
       max_position_embeddings=64, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
 
-
-def cache_root() -> str:
-  base = os.environ.get("OPDJAX_CACHE") or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "opdjax")
-  return base
 
 
 def sft_batch(task: AdditionTask, pairs: np.ndarray):
