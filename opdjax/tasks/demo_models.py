@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -71,9 +72,11 @@ def sft(model: Model, task: AdditionTask, steps: int, batch_size: int, lr: float
 
   rng = np.random.default_rng(seed + 1)
   it = range(steps)
-  if progress:
+  if progress and sys.stderr.isatty():
     from tqdm import tqdm
     it = tqdm(it, desc=progress, unit="step", leave=False)
+  elif progress:  # a log: one line, not a bar's frames
+    print(f"{progress}: {steps} supervised steps", file=sys.stderr, flush=True)
   for _ in it:
     params, opt_state, _ = step(params, opt_state, sft_batch(task, task.sample_pairs(rng, batch_size)))
   return params
