@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="require a checkpoint in --out to resume from (an --out with one resumes anyway)")
     p.add_argument("--resume-fallback", action="store_true",
                    help="if the latest checkpoint cannot be restored, resume from the previous good one")
+    multi = p.add_argument_group("multi-process runs (jax.distributed; none of these: SLURM / Open MPI detection"
+                                 " when they launched several tasks, else one process)")
+    multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address; every process gives the same")
+    multi.add_argument("--num-processes", type=int, metavar="N", help="how many processes the run has")
+    multi.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 <= I < N")
+    multi.add_argument("--coordinator-timeout", type=float, default=120.0, metavar="S",
+                       help="seconds to wait for every process to join before one clear error (default 120)")
   command("mismatch", "table of every mismatch metric for each engine view (+ attribution); views: mismatch.sources",
           out_required=False, out_help="folder for mismatch.json")
   for name, help_ in ANALYSES.items():
@@ -136,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
 
   try:
     overrides = _split_overrides(extra)
+    if args.command in ("train", "demo"):  # before anything starts a JAX backend
+      from opdjax.parallel import distributed
+      distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.coordinator_timeout)
     if args.command == "admit":  # admit runs on the config stored in its budget.json
       from opdjax.analyses import admission
       from opdjax.pipeline.outdir import check_out_dir
@@ -149,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
       return 0
     if args.command in ("train", "demo"):
       from opdjax.pipeline.run import train as run_train
+      distributed.check_same_config(cfg.to_dict())
       result = run_train(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback,
                          overwrite=args.overwrite)
+      distributed.finish()
       print(result.summary())
       print(f"wrote {args.out}/metrics.jsonl and {args.out}/student/")
       return 0

@@ -386,6 +386,28 @@ class GrpoSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh of the trainer and the JAX engine (opdjax.parallel): `data` x `fsdp` x `tensor`
+  devices, -1 = the rest of the devices (at most one axis). Batch rows go over (data, fsdp); params,
+  optimizer state and the teacher are sharded over fsdp, attention heads and the MLP hidden over
+  tensor. All 1: one device, nothing sharded. Whether the sizes divide the devices, heads and batch
+  is checked where the devices are known (opdjax.parallel.mesh)."""
+
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+
+  def check(self):
+    sizes = {"mesh.data": self.data, "mesh.fsdp": self.fsdp, "mesh.tensor": self.tensor}
+    for k, v in sizes.items():
+      if v == 0 or v < -1:
+        raise UserError(f"{k}={v}: give a positive axis size, or -1 for the rest of the devices.")
+    rest = [k for k, v in sizes.items() if v == -1]
+    if len(rest) > 1:
+      raise UserError(f"{' and '.join(rest)} are both -1: at most one mesh axis takes the rest of the devices.")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   seed: int = 0
   task: TaskConfig = TaskConfig()
@@ -402,6 +424,7 @@ class Config:
   calibrate: CalibrateConfig = CalibrateConfig()
   admit: AdmitConfig = AdmitConfig()
   grpo: GrpoSection = GrpoSection()
+  mesh: MeshConfig = MeshConfig()
 
   def check(self) -> Config:
     for f in dataclasses.fields(self):
@@ -415,6 +438,9 @@ class Config:
         raise UserError(f"train.guard_view: {e}") from None
     if self.task.name == "prompts" and not self.teacher.path:
       raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
+    if self.rollout.async_depth and (self.mesh.data, self.mesh.fsdp, self.mesh.tensor) != (1, 1, 1):
+      raise UserError(f"rollout.async_depth={self.rollout.async_depth} with a sharded mesh: the asynchronous producer"
+                      " samples on a device of its own; use rollout.async_depth=0, or the default mesh (all 1).")
     return self
 
   def to_dict(self) -> dict:

@@ -38,6 +38,10 @@ def package_versions() -> dict[str, str]:
   return out
 
 
+def _barriers(prefix: str):
+  return ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=prefix)
+
+
 class CheckpointWriteError(OSError):
   """A save failed (full disk, lost mount, ...); the checkpoints before it are complete and intact."""
 
@@ -45,13 +49,17 @@ class CheckpointWriteError(OSError):
 class RunCheckpointer:
   def __init__(self, directory: str, keep: int = 3, best_metric: str = "", best_mode: str = "min"):
     self.directory = os.path.abspath(directory)
-    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
+    # Each manager's own barrier names: in a multi-process run both save the same step, and Orbax's
+    # barriers are named by step alone.
+    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True,
+                                        multiprocessing_options=_barriers("latest"))
     self._latest = ocp.CheckpointManager(os.path.join(self.directory, "latest"), options=opts)
     self._best = None
     if best_metric:
       best_opts = ocp.CheckpointManagerOptions(
           max_to_keep=1, best_fn=lambda m: m[best_metric], best_mode=best_mode,
-          keep_checkpoints_without_metrics=False, enable_async_checkpointing=True, create=True)
+          keep_checkpoints_without_metrics=False, enable_async_checkpointing=True, create=True,
+          multiprocessing_options=_barriers("best"))
       self._best = ocp.CheckpointManager(os.path.join(self.directory, "best"), options=best_opts)
     self.best_metric = best_metric
 

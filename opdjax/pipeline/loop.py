@@ -12,9 +12,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import jax
-import jax.numpy as jnp
-
 from opdjax.pipeline.session import Session
 from opdjax.pipeline.stages import Sampler, objective
 from opdjax.training.step import TrainState
@@ -100,7 +97,7 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
       sampler.history.push(version, params)
   obj = objective(session, algo)
   if state is None:  # the step donates its state: never the session's own params
-    state = TrainState.create(jax.tree.map(jnp.copy, session.student_params), session.optimizer(algo))
+    state = session.new_state(algo)
   loop = Loop(session, view, seed, steps, state, sampler, list(hooks), start, last_eval)
   try:
     for h in loop.hooks:

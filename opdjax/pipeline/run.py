@@ -16,17 +16,16 @@ import shutil
 import sys
 
 import jax
-import jax.numpy as jnp
 
 from opdjax.config.schema import Config, flat
 from opdjax.errors import UserError
 from opdjax.models.fetch import resolve
+from opdjax.parallel.distributed import barrier, check_multiprocess
 from opdjax.pipeline import hooks as H
 from opdjax.pipeline.checkpoint import TOKENIZER_FILES, RunCheckpointer, package_versions
 from opdjax.pipeline.loop import Loop, run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
 from opdjax.pipeline.session import Session
-from opdjax.training.step import TrainState
 from opdjax.views.view import EngineView
 
 # Keys a resumed run may change: they extend it (more steps) or only observe it.
@@ -34,7 +33,8 @@ RESUMABLE = ("train.steps", "train.eval_every", "train.checkpoint_every", "train
              "train.best_metric", "train.tensorboard", "rollout.vllm.url", "rollout.vllm.api_key",
              "rollout.vllm.python", "rollout.vllm.gpu_memory_utilization", "rollout.vllm.cpu_kvcache_gib",
              "rollout.vllm.enforce_eager", "rollout.vllm.extra_args",
-             "mismatch.", "sensitivity.", "prefix_shift.", "calibrate.", "admit.")
+             "mismatch.", "sensitivity.", "prefix_shift.", "calibrate.", "admit.",
+             "mesh.")  # a checkpoint restores into any mesh and process count
 
 
 @dataclasses.dataclass
@@ -79,6 +79,9 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
     raise UserError(f"--resume: no checkpoint under {ckpt_dir}.")
   if has_ckpt and resume == "never":
     raise UserError(f"{out_dir} already holds a run's checkpoints; pass a new --out folder.")
+  if jax.process_count() > 1:
+    check_multiprocess(cfg)
+    barrier("opdjax-out-checked")  # every process has read --out before process 0 writes into it
   session = Session(cfg, out_dir, progress)  # loads models: errors about them come before any write
   try:
     return _train(session, out_dir, ckpt_dir, resuming, fallback, progress)
@@ -89,10 +92,11 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
 def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallback: bool,
            progress: bool) -> TrainResult:
   cfg = session.cfg
+  primary = session.placement.primary  # process 0 writes the run's files
   view = EngineView.parse(cfg.rollout.view)
   state, start, last_eval, history, changes = None, 0, None, None, {}
   if resuming:
-    state = TrainState.create(jax.tree.map(jnp.copy, session.student_params), session.optimizer())
+    state = session.new_state()  # the restore target: checkpoints restore into its shapes and shardings
     ckpt = RunCheckpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, best_metric=cfg.train.best_metric)
     try:
       start, state, last_eval, history, old_cfg = _resume(ckpt, state, session, fallback)
@@ -109,10 +113,13 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     for k, (a, b) in changes.items():
       print(f"opdjax: resuming with {k} changed: {a!r} -> {b!r}", file=sys.stderr)
   else:
-    mark_run_dir(out_dir)
+    if primary:
+      mark_run_dir(out_dir)
     ckpt = RunCheckpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, best_metric=cfg.train.best_metric)
-    _write_json(os.path.join(out_dir, "config.json"), cfg.to_dict())
-  _append_history(out_dir, cfg, start, changes, resuming)
+    if primary:
+      _write_json(os.path.join(out_dir, "config.json"), cfg.to_dict())
+  if primary:
+    _append_history(out_dir, cfg, start, changes, resuming)
 
   def meta(loop: Loop, step: int) -> dict:
     h = loop.sampler.history
@@ -128,6 +135,8 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     hooks.append(H.TensorBoardWriter(os.path.join(out_dir, "tensorboard")))
   hooks += [H.NonFiniteHook(cfg.train.on_nonfinite, ckpt), H.Progress("OPD", progress),
             H.CheckpointHook(ckpt, cfg.train.checkpoint_every, meta, fault)]
+  if not primary:  # process 0 alone writes metrics and progress; checkpoints are every process's (Orbax)
+    hooks = [h for h in hooks if not isinstance(h, (H.JsonlWriter, H.TensorBoardWriter, H.Progress))]
   if start >= cfg.train.steps:
     ckpt.close()
     loop_records, final_state = [], state
@@ -143,7 +152,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
 
 def _export(session: Session, params, folder: str, overwrite: bool) -> None:
   """The trained student as an HF folder, with the tokenizer files of the model folder it came from."""
-  if overwrite and os.path.isdir(folder):
+  if overwrite and os.path.isdir(folder) and jax.process_index() == 0:
     shutil.rmtree(folder)  # our own export of an earlier, shorter invocation of this run
   extra = {}
   cfg = session.cfg

@@ -14,6 +14,7 @@ import jax
 from opdjax.config.schema import Config
 from opdjax.errors import UserError
 from opdjax.models import Model, save_hf_params
+from opdjax.parallel.placement import Placement
 from opdjax.pipeline.build import load_model, make_task
 from opdjax.pipeline.heldout import HeldOut
 from opdjax.rollout import RolloutEngine
@@ -31,9 +32,10 @@ class EnginePool:
   only in weights, noise or lag share an engine and its compiled decode loop. With
   rollout.engine='vllm', one vLLM engine serves every view it can realise."""
 
-  def __init__(self, cfg: Config, student: Model, student_params, task, out_dir: str | None):
+  def __init__(self, cfg: Config, student: Model, student_params, task, out_dir: str | None,
+               placement: Placement | None = None):
     self.cfg, self.student, self.student_params, self.task, self.out_dir = cfg, student, student_params, task, out_dir
-    self.jax = EngineCache(max_len=cfg.rollout.max_len, pad_id=task.pad_id, eos_ids=task.eos_ids)
+    self.jax = EngineCache(max_len=cfg.rollout.max_len, pad_id=task.pad_id, eos_ids=task.eos_ids, placement=placement)
     self._engines: dict = {}
 
   def get(self, view: EngineView) -> RolloutEngine:
@@ -69,19 +71,26 @@ class Session:
     self.task = make_task(cfg)
     self.clean_teacher, self.clean_teacher_params = load_model("teacher", cfg, self.task)
     self.student, self.student_params = load_model("student", cfg, self.task)
+    # The mesh (cfg.mesh): student and teacher sharded by opdjax.parallel.rules; one device by default.
+    self.placement = Placement.from_config(
+        cfg.mesh, {"student": self.student.cfg, "teacher": self.clean_teacher.cfg},
+        {"rollout.batch_size": cfg.rollout.batch_size, "task.num_eval": len(self.task.eval_set()[0])})
+    self.student_params = self.placement.params(self.student_params)
+    self.clean_teacher_params = self.placement.params(self.clean_teacher_params)
     self.sampling = cfg.rollout.sampling
     self.views = ViewTransform(self.student.cfg.num_layers)
     self.teacher_view = EngineView.parse(cfg.teacher.view)
     self.teacher, self.teacher_params = self.clean_teacher, self.clean_teacher_params
     if self.teacher_view != EngineView():  # score with a perturbed teacher; its own mismatch is reported
       self.teacher = self.teacher_view.model(self.clean_teacher)
-      self.teacher_params = ViewTransform(self.teacher.cfg.num_layers)(self.teacher_view, self.clean_teacher_params)
+      self.teacher_params = self.placement.params(
+          ViewTransform(self.teacher.cfg.num_layers)(self.teacher_view, self.clean_teacher_params))
       self._teacher_kl = jax.jit(lambda qp, cp, b: masked_mean(
           exact_kl(self.teacher, qp, self.clean_teacher, cp, b), b["loss_mask"]))
-    self.engines = EnginePool(cfg, self.student, self.student_params, self.task, out_dir)
+    self.engines = EnginePool(cfg, self.student, self.student_params, self.task, out_dir, self.placement)
     self.held_out = HeldOut(self.student, self.teacher, self.task, self.sampling, cfg.loss.chunk, cfg.seed,
                             {"max_len": cfg.rollout.max_len, "pad_id": self.task.pad_id,
-                             "eos_ids": self.task.eos_ids})
+                             "eos_ids": self.task.eos_ids, "placement": self.placement})
     self._steps: dict = {}
     self._optimizers: dict = {}
 
@@ -101,14 +110,20 @@ class Session:
     if algo not in self._steps:
       skip = self.cfg.train.on_nonfinite == "skip"
       if algo == "opd":
+        shardings = self.placement.train_step_shardings(self.student_params, self.teacher_params, self.optimizer(algo))
         self._steps[algo] = make_train_step(self.student, self.teacher, self.cfg.loss, self.optimizer(algo),
-                                            skip_nonfinite=skip, sampling=self.sampling)
+                                            skip_nonfinite=skip, sampling=self.sampling, shardings=shardings)
       else:
         from opdjax.training import grpo
 
         self._steps[algo] = grpo.make_grpo_step(self.student, self.grpo_config(), self.optimizer(algo),
                                                 skip_nonfinite=skip, sampling=self.sampling)
     return self._steps[algo]
+
+  def new_state(self, algo: str = "opd"):
+    """A fresh TrainState of the student, placed as the step wants it (sharded on a mesh); never
+    aliases the session's params, which the step would donate."""
+    return self.placement.create_state(self.student_params, self.optimizer(algo))
 
   def grpo_config(self):
     from opdjax.training import grpo
@@ -140,7 +155,8 @@ class Session:
     return out
 
   def export_student(self, params, folder: str, extra_files: dict | None = None) -> None:
-    if not os.path.exists(folder):
+    params = self.placement.host_tree(params)  # every process (a collective on a mesh); process 0 writes
+    if self.placement.primary and not os.path.exists(folder):
       save_hf_params(params, self.student.cfg.replace(dtype="float32"), folder, extra_files=extra_files)
 
   def close(self) -> None:

@@ -56,9 +56,18 @@ class Rollout:
     return int(jnp.sum(self.completion_mask))
 
   def completions(self) -> list[list[int]]:
-    toks = jax.device_get(self.completion_tokens)
-    mask = jax.device_get(self.completion_mask)
+    toks, mask = _host(self.completion_tokens), _host(self.completion_mask)
     return [[int(t) for t, m in zip(row, mrow) if m] for row, mrow in zip(toks, mask)]
+
+
+def _host(x):
+  """The whole array on this host; rows other processes hold come through an all-gather (every
+  process reads a sharded rollout's completions at the same point of the loop)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(x, tiled=True)
+  return jax.device_get(x)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,13 +11,14 @@ from opdjax.rollout.jax_engine import JaxEngine
 
 
 class EngineCache:
-  def __init__(self, *, max_len: int, pad_id: int, eos_ids: Sequence[int]):
-    self.max_len, self.pad_id, self.eos_ids = max_len, pad_id, tuple(eos_ids)
+  def __init__(self, *, max_len: int, pad_id: int, eos_ids: Sequence[int], placement=None):
+    self.max_len, self.pad_id, self.eos_ids, self.placement = max_len, pad_id, tuple(eos_ids), placement
     self._engines: dict = {}
 
   def get(self, model: Model) -> JaxEngine:
     if model.cfg not in self._engines:
-      self._engines[model.cfg] = JaxEngine(model, None, max_len=self.max_len, pad_id=self.pad_id, eos_ids=self.eos_ids)
+      self._engines[model.cfg] = JaxEngine(model, None, max_len=self.max_len, pad_id=self.pad_id, eos_ids=self.eos_ids,
+                                           placement=self.placement)
     return self._engines[model.cfg]
 
   def close(self) -> None:

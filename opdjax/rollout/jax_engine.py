@@ -18,6 +18,7 @@ import numpy as np
 from opdjax.errors import UserError
 from opdjax.models.decoder import Model, positions_from_mask
 from opdjax.models.quant import QArray, unpack
+from opdjax.parallel.placement import SINGLE
 from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams
 from opdjax.rollout.sampling import sample
 
@@ -95,8 +96,11 @@ class JaxEngine(RolloutEngine):
       packed_weights=True, processed_logprobs=True)
 
   def __init__(self, model: Model, params, *, max_len: int, pad_id: int,
-               eos_ids: Sequence[int] | None = None, version: int = 0, kv_dtype=None):
+               eos_ids: Sequence[int] | None = None, version: int = 0, kv_dtype=None, placement=None):
+    """`placement` (opdjax.parallel.placement): rows over the mesh's batch axes and the KV cache
+    sharded (weights arrive sharded by the partition rules); None: one device."""
     self.model = model
+    self.placement = placement or SINGLE
     self.max_len = max_len
     self.pad_id = pad_id
     self.eos_ids = tuple(model.cfg.eos_ids if eos_ids is None else eos_ids)
@@ -123,7 +127,7 @@ class JaxEngine(RolloutEngine):
     if sampling not in self._compiled:
       fn = functools.partial(_generate, model=self.model, sampling=sampling,
                              eos_ids=self.eos_ids, pad_id=self.pad_id)
-      self._compiled[sampling] = jax.jit(fn, donate_argnames=("cache",))
+      self._compiled[sampling] = jax.jit(fn, donate_argnames=("cache",), **self.placement.generate_jit_kw())
     return self._compiled[sampling]
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Rollout:
@@ -136,9 +140,10 @@ class JaxEngine(RolloutEngine):
           f" engine's max_len={self.max_len}; shorten the prompt or raise rollout.max_len.")
     b = toks.shape[0]
     if self._cache is None or self._cache["k"].shape[1:3] != (b, total):
-      self._cache = self.model.init_cache(b, total, self.kv_dtype)
-    tokens, cmask, lps, self._cache = self._fn(sampling)(
-        self._params, self._cache, jnp.asarray(toks), jnp.asarray(mask), jax.random.key(seed))
-    return Rollout(prompt_tokens=jnp.asarray(toks), prompt_mask=jnp.asarray(mask),
+      self._cache = self.placement.kv_cache(self.model, b, total, self.kv_dtype)
+    rows = self.placement.rows(b)  # a process builds only its own rows (the padding is global)
+    toks, mask = self.placement.batch(toks[rows], b), self.placement.batch(mask[rows], b)
+    tokens, cmask, lps, self._cache = self._fn(sampling)(self._params, self._cache, toks, mask, jax.random.key(seed))
+    return Rollout(prompt_tokens=toks, prompt_mask=mask,
                    completion_tokens=tokens, completion_mask=cmask, rollout_logprobs=lps,
                    params_version=self._version, sampling=sampling, seed=seed)

@@ -142,14 +142,16 @@ def check_compatible(student: Model, teacher: Model) -> None:
 
 def make_train_step(student: Model, teacher: Model, loss_cfg: LossConfig,
                     optimizer: optax.GradientTransformation, skip_nonfinite: bool = False,
-                    sampling: SamplingParams | None = None):
+                    sampling: SamplingParams | None = None, shardings: tuple | None = None):
   """The step jitted once, with the train state donated.
 
   `sampling`: the `SamplingParams` the rollouts are generated with, so that the importance
   weights and `mismatch_*` metrics compare the trainer with the engine on the same processed
-  distribution (see `opd_loss`). None: the rollouts are T = 1 and unprocessed.
+  distribution (see `opd_loss`). None: the rollouts are T = 1 and unprocessed. `shardings`:
+  (in_shardings, out_shardings) over a mesh (opdjax.parallel.placement); None: one device.
   """
   check_compatible(student, teacher)
   fn = functools.partial(train_step, student=student, teacher=teacher, loss_cfg=loss_cfg,
                          optimizer=optimizer, skip_nonfinite=skip_nonfinite, sampling=sampling)
-  return jax.jit(fn, donate_argnums=0)
+  kw = {} if shardings is None else {"in_shardings": shardings[0], "out_shardings": shardings[1]}
+  return jax.jit(fn, donate_argnums=0, **kw)

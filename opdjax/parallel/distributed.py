@@ -1,0 +1,212 @@
+"""Multi-process runs on JAX's multi-controller runtime (`jax.distributed`).
+
+Every process runs the same `opdjax train` on its own devices; process 0 also hosts the
+coordinator. `initialize` connects them (explicit coordinator, or JAX's own detection under SLURM /
+Open MPI when their variables say there are several tasks), with CPU collectives over gloo.
+
+JAX aborts a process with a C++ stack trace when the coordinator cannot be reached or a peer
+dies; here both become one clear line and a prompt exit:
+- start-up: a timer ends the process with an error naming the coordinator after `timeout_s`;
+- during the run: a watchdog holds a TCP connection between process 0 and every other process
+  (the address goes through the coordinator's key-value store). A killed process's connection
+  closes at once, so the survivors exit with an error naming it (JAX's heartbeat,
+  `HEARTBEAT_S`, is the backstop for a host that vanishes without closing anything).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import sys
+import threading
+import zlib
+
+import jax
+import numpy as np
+
+from opdjax.errors import UserError
+
+HEARTBEAT_S = 30  # JAX declares a silent process dead after this long (and aborts the others)
+_BYE = b"bye\n"
+
+
+class _State:
+  watchdog: _Watchdog | None = None
+
+
+def detected_tasks() -> int:
+  """How many tasks SLURM or Open MPI launched this process among (1 outside them)."""
+  for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    if os.environ.get(var, "").isdigit():
+      return int(os.environ[var])
+  return 1
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               timeout_s: float = 120.0) -> bool:
+  """Joins the run's processes; returns whether this is a multi-process run. No flags and no
+  scheduler with several tasks: a single process, nothing to do."""
+  explicit = coordinator is not None or num_processes is not None or process_id is not None
+  if explicit and (coordinator is None or num_processes is None or process_id is None):
+    raise UserError("--coordinator HOST:PORT, --num-processes N and --process-id I go together; give all three"
+                    " (or none, to let jax.distributed detect SLURM / Open MPI).")
+  if not explicit and detected_tasks() <= 1:
+    return False
+  if explicit:
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+      raise UserError(f"--coordinator {coordinator!r}: give HOST:PORT, e.g. 10.0.0.1:8476.")
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+      raise UserError(f"--process-id {process_id} with --num-processes {num_processes}: give 0 <= I < N.")
+    if num_processes == 1:
+      return False
+  # CPU collectives across processes (a no-op for GPU runs, whose collectives are NCCL's).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  where = coordinator or "the address SLURM / Open MPI give"
+  timer = threading.Timer(timeout_s, _startup_timeout, args=(where, num_processes, process_id, timeout_s))
+  timer.daemon = True
+  timer.start()
+  try:
+    # JAX's own timeout comes after ours: ours names the coordinator, JAX's aborts with a stack trace.
+    kw = {"initialization_timeout": int(timeout_s) + 60, "heartbeat_timeout_seconds": HEARTBEAT_S}
+    if explicit:
+      jax.distributed.initialize(coordinator, num_processes, process_id, **kw)
+    else:
+      jax.distributed.initialize(**kw)
+  finally:
+    timer.cancel()
+  if jax.process_count() > 1:
+    _State.watchdog = _Watchdog(coordinator.rpartition(":")[0] if coordinator else None)
+  return jax.process_count() > 1
+
+
+def _startup_timeout(where: str, n, pid, timeout_s: float) -> None:
+  reachable = ""
+  if ":" in where:
+    host, _, port = where.rpartition(":")
+    try:
+      socket.create_connection((host, int(port)), timeout=2).close()
+      reachable = " The coordinator answers, so some process(es) never joined: start every process with the same"
+      reachable += f" --coordinator and --num-processes ({n}), each with its own --process-id."
+    except OSError:
+      reachable = (" Nothing answers there: start process 0 (it hosts the coordinator) and check the host, the port"
+                   " and the firewall.")
+  _die(f"could not join the {n or ''} processes through the coordinator at {where} within {timeout_s:.0f} s"
+       f" (this is process {pid}).{reachable}")
+
+
+def _die(message: str) -> None:
+  print(f"opdjax: error: {message}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(3)
+
+
+def finish() -> None:
+  """A clean end of this process: the watchdog tells its peers not to treat the exit as a death."""
+  if _State.watchdog is not None:
+    _State.watchdog.close()
+    _State.watchdog = None
+
+
+class _Watchdog:
+  """TCP connections process 0 <-> every other process; an EOF without a goodbye is a death."""
+
+  def __init__(self, host: str | None):
+    from jax._src.distributed import global_state
+
+    client, self.pid, self.n = global_state.client, jax.process_index(), jax.process_count()
+    self.peers: dict[socket.socket, int] = {}
+    self.closing = False
+    key = "opdjax/watchdog"
+    if self.pid == 0:
+      server = socket.create_server(("", 0))
+      host = host or (global_state.coordinator_address or "").rpartition(":")[0] or socket.gethostname()
+      client.key_value_set(key, f"{host}:{server.getsockname()[1]}")
+      server.settimeout(HEARTBEAT_S)
+      for _ in range(self.n - 1):
+        conn, _ = server.accept()
+        self.peers[conn] = int(conn.recv(16).decode().strip())
+      server.close()
+    else:
+      addr = client.blocking_key_value_get(key, HEARTBEAT_S * 1000)
+      h, _, p = addr.rpartition(":")
+      conn = socket.create_connection((h, int(p)), timeout=HEARTBEAT_S)
+      conn.sendall(f"{self.pid}\n".encode())
+      self.peers[conn] = 0
+    for conn in self.peers:
+      conn.settimeout(None)
+    threading.Thread(target=self._watch, name="opdjax-watchdog", daemon=True).start()
+
+  def _watch(self) -> None:
+    while self.peers:
+      ready, _, _ = select.select(list(self.peers), [], [], 1.0)
+      for conn in ready:
+        try:
+          data = conn.recv(64)
+        except OSError:
+          data = b""
+        peer = self.peers.pop(conn)
+        conn.close()
+        if self.closing or data.startswith(_BYE):
+          continue
+        if peer == 0 and self.pid != 0:
+          what = "process 0 (it hosts the coordinator and stops when any process stops) is gone"
+        else:
+          what = f"process {peer} of {self.n} stopped"
+        _die(f"{what}; this process (process {self.pid}) stops too instead of waiting for it. Run the same"
+             " command on every process to resume from the last complete checkpoint.")
+
+  def close(self) -> None:
+    self.closing = True
+    for conn in list(self.peers):
+      try:
+        conn.sendall(_BYE)
+      except OSError:
+        pass
+
+
+def barrier(name: str) -> None:
+  """Every process reaches `name` before any goes on (no-op in a single process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def check_multiprocess(cfg) -> None:
+  """What a multi-process run cannot do yet, refused before anything starts."""
+  if cfg.rollout.async_depth:
+    raise UserError(f"rollout.async_depth={cfg.rollout.async_depth} with {jax.process_count()} processes: the"
+                    " asynchronous producer runs in one process; use rollout.async_depth=0 for multi-process runs.")
+  if cfg.rollout.engine != "jax":
+    raise UserError(f"rollout.engine={cfg.rollout.engine!r} with {jax.process_count()} processes: multi-process runs"
+                    " sample with the sharded JAX engine; run vLLM sidecars with a single trainer process.")
+  if (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, 1, 1):
+    raise UserError(f"mesh data=1 fsdp=1 tensor=1 uses one device, but the run has {jax.process_count()} processes:"
+                    " set the mesh over every device, e.g. --config.mesh.fsdp=-1.")
+
+
+def check_same_config(cfg_dict: dict) -> None:
+  """One error, on every process, naming the first config key whose value differs across processes."""
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+
+  from opdjax.config.schema import flat
+
+  items = sorted(flat(cfg_dict).items())
+  hashes = np.asarray([zlib.crc32(json.dumps([k, v], sort_keys=True, default=str).encode()) for k, v in items],
+                      np.uint32).view(np.int32)
+  counts = np.asarray(multihost_utils.process_allgather(np.int32(len(hashes))))
+  if len(set(counts.tolist())) > 1:
+    raise UserError(f"the processes' configs have different keys ({counts.tolist()} keys): run the same opdjax"
+                    " version on every process.")
+  every = np.asarray(multihost_utils.process_allgather(hashes))  # [processes, keys]
+  differs = np.flatnonzero((every != every[0]).any(axis=0))
+  if differs.size:
+    k, v = items[differs[0]]
+    others = [p for p in range(every.shape[0]) if every[p, differs[0]] != every[0, differs[0]]]
+    raise UserError(f"config key {k} differs across processes (process {jax.process_index()} has {v!r}; processes"
+                    f" {others} differ from process 0): give every process the same config and overrides.")
