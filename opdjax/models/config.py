@@ -53,6 +53,14 @@ class ModelConfig:
   kv_scale: str = "per_head"  # static | per_head
   # Activation quantization at every projection's input (W8A8 engines), per-token absmax scale.
   act_quant: str = "none"  # none | fp8_e4m3 | int8
+  # Engine/runtime settings below change how, not what, the model computes (never saved).
+  # Attention kernel for training and prefill: `auto` is cuDNN's fused attention on a GPU when it
+  # takes the dtype and head_dim (else XLA's, with a notice), XLA's on other backends.
+  attention_impl: str = "auto"  # auto | xla | cudnn
+  # Packed FP8 (e4m3, per-tensor or per-channel scales) layer weights are multiplied as fp8 with
+  # fp8 activations (per-token scales) instead of being dequantized first: W8A8 on FP8 tensor
+  # cores (compute capability >= 8.9). Needs act_quant="fp8_e4m3", the numerics it computes.
+  fp8_matmul: bool = False
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -78,6 +86,12 @@ class ModelConfig:
           " and kv_scale in static/per_head.")
     if self.act_quant not in ("none", "fp8_e4m3", "int8"):
       raise UnsupportedModelError(f"act_quant={self.act_quant!r}: choose none, fp8_e4m3 or int8.")
+    if self.attention_impl not in ("auto", "xla", "cudnn"):
+      raise UnsupportedModelError(f"attention_impl={self.attention_impl!r}: choose auto, xla or cudnn.")
+    if self.fp8_matmul and self.act_quant != "fp8_e4m3":
+      raise UnsupportedModelError(
+          f"fp8_matmul=True multiplies fp8 activations, but act_quant={self.act_quant!r}: set"
+          " act_quant='fp8_e4m3' (the W8A8 numerics it computes) or turn fp8_matmul off.")
     if self.num_heads % self.num_kv_heads:
       raise UnsupportedModelError(
           f"num_attention_heads={self.num_heads} is not a multiple of"

@@ -12,10 +12,16 @@ the new tokens are written at slot `cache["index"]`.
 
 The decoder layers are one `nn.scan` over stacked params (`params["layers"][...]` has a leading
 `[L]` axis) and a stacked cache (`[L, B, S, K, E]`), so compile time does not grow with depth.
+
+Attention: training, scoring and prefill use `jax.nn.dot_product_attention` (cuDNN's fused kernel
+on a GPU when it takes the dtype and head_dim, XLA's elsewhere: `ModelConfig.attention_impl`); a
+decode step reads only a window of the cache that holds the tokens so far (`decode_windows`).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import flax.linen as nn
@@ -68,7 +74,8 @@ def kv_fake_quant(x_BxTxKxE: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 class Linear(nn.Module):
-  """`y = x @ kernel (+ bias)`; with `act_quant`, x is first rounded per token (W8A8 engines)."""
+  """`y = x @ kernel (+ bias)`; with `act_quant`, x is first rounded per token (W8A8 engines). A
+  packed fp8 kernel (`QArray`, kept packed only for `fp8_matmul` models) is multiplied on fp8."""
 
   features: int
   use_bias: bool
@@ -77,12 +84,20 @@ class Linear(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), jnp.float32)
-    if self.act_quant != "none":
-      x32 = x.astype(jnp.float32)
-      scale = quant.absmax_scale(x32, self.act_quant, axis=-1)
-      x = (quant.round_to_format(x32 / scale, self.act_quant).astype(jnp.float32) * scale).astype(x.dtype)
-    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+    packed = self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
+    if isinstance(packed, quant.QArray):
+      # Read as is: `self.param` would check q's shape against [in, out], and q may be [out, in].
+      if self.act_quant != "fp8_e4m3":
+        raise UserError("packed fp8 layer weights reach the decoder only in fp8_matmul models"
+                        " (act_quant='fp8_e4m3'); dequantize them first (quant.unpack).")
+      y = quant.fp8_dot(x, packed).astype(self.dtype)
+    else:
+      kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), jnp.float32)
+      if self.act_quant != "none":
+        x32 = x.astype(jnp.float32)
+        scale = quant.absmax_scale(x32, self.act_quant, axis=-1)
+        x = (quant.round_to_format(x32 / scale, self.act_quant).astype(jnp.float32) * scale).astype(x.dtype)
+      y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(self.dtype)
     return y
@@ -92,12 +107,105 @@ def _dense(features: int, bias: bool, name: str, cfg: ModelConfig, act_quant: bo
   return Linear(features, bias, jnp.dtype(cfg.dtype), cfg.act_quant if act_quant else "none", name=name)
 
 
+# A decode step attends over the first W cache slots, W the smallest window holding the tokens so
+# far: DECODE_WINDOW, doubling up to the cache size (`decode_windows`).
+DECODE_WINDOW = 512
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+log = logging.getLogger(__name__)
+_noticed: set[str] = set()
+_cudnn_verdicts: dict[tuple, str | None] = {}
+
+
+def _notice_once(msg: str) -> None:
+  if msg not in _noticed:
+    _noticed.add(msg)
+    log.warning(msg)
+
+
+def _platform() -> str:
+  """The backend the program is being traced for (a function, so tests can stand in a GPU)."""
+  return jax.default_backend()
+
+
+def cudnn_limits(dtype, head_dim: int) -> str | None:
+  """Why cuDNN's fused attention cannot take this dtype / head_dim, or None when it can."""
+  dtype = jnp.dtype(dtype)
+  if dtype not in (jnp.bfloat16, jnp.float16):
+    return f"dtype {dtype.name} (it takes bfloat16 or float16)"
+  if head_dim > 256 or head_dim % 8:
+    return f"head_dim {head_dim} (it takes a multiple of 8 up to 256)"
+  return None
+
+
+def attention_backend(requested: str, dtype, head_dim: int, platform: str) -> str:
+  """`xla` or `cudnn` for `jax.nn.dot_product_attention`. `auto` takes cuDNN on a GPU when it can
+  and XLA elsewhere, silently; a GPU whose cuDNN cannot take the dtype or head_dim, or `cudnn`
+  asked for off a GPU, falls back to XLA with a one-line notice."""
+  if requested == "xla" or (requested == "auto" and platform != "gpu"):
+    return "xla"
+  why = f"the {platform} backend" if platform != "gpu" else cudnn_limits(dtype, head_dim)
+  if why:
+    _notice_once(f"opdjax attention: cuDNN cannot take {why}; using the XLA implementation.")
+    return "xla"
+  return "cudnn"
+
+
+def _cudnn_rejects(q, k, mask, is_causal) -> str | None:
+  """Why cuDNN refuses these shapes (its checks run while tracing), or None. The forward and the
+  backward are traced once on abstract values, so a refusal of the backward also shows here."""
+  key = (q.shape, k.shape, q.dtype, mask.shape, is_causal)
+  if key not in _cudnn_verdicts:
+    def loss(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, implementation="cudnn").sum()
+    try:
+      abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, k)]
+      jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), *abstract)
+      _cudnn_verdicts[key] = None
+    except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
+      _cudnn_verdicts[key] = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  return _cudnn_verdicts[key]
+
+
+def fused_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_Bx1xTxS, is_causal: bool, impl: str) -> jax.Array:
+  """`jax.nn.dot_product_attention` (GQA, boolean mask), through cuDNN when `impl` is `cudnn` and it
+  accepts the shapes, else through XLA."""
+  if impl == "cudnn":
+    why = _cudnn_rejects(q_BxTxHxE, k_BxSxKxE, mask_Bx1xTxS, is_causal)
+    if why is None:
+      return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask_Bx1xTxS, is_causal=is_causal,
+                                          implementation="cudnn")
+    _notice_once(f"opdjax attention: cuDNN rejected q {q_BxTxHxE.shape} / kv {k_BxSxKxE.shape} {q_BxTxHxE.dtype}"
+                 f" ({why}); using the XLA implementation.")
+  return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask_Bx1xTxS, is_causal=is_causal,
+                                      implementation="xla")
+
+
+def decode_windows(slots: int) -> tuple[int, ...]:
+  """The cache prefixes a decode step may attend over: DECODE_WINDOW, doubled until the cache size.
+
+  `Model.hidden` picks the smallest that holds the tokens so far (one `lax.switch` per step, outside
+  the layer scan; each branch straight-line code over a static prefix), so a step reads at most
+  twice the filled part of the cache and its cost grows with the tokens so far, not with the
+  preallocated size. A dynamic-length loop over blocks would read exactly the filled part, but a GPU
+  syncs with the host at every iteration of a loop whose trip count is data."""
+  windows = [min(DECODE_WINDOW, slots)]
+  while windows[-1] < slots:
+    windows.append(min(2 * windows[-1], slots))
+  return tuple(windows)
+
+
 class Attention(nn.Module):
   cfg: ModelConfig
+  window: int | None = None  # with a cache: attend over its first `window` slots (None: all)
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, attention_mask, kv, layer, index):
-    """`kv`: None, or every layer's cache `{"k", "v": [L, B, S, K, E]}`; this layer's slice is `layer`."""
+    """`kv`: None, or every layer's cache `{"k", "v": [L, B, S, K, E]}`; this layer's slice is `layer`.
+
+    Without a cache (training, scoring): fused causal attention over the T tokens. With a cache, the
+    new tokens attend over the first `window` slots (a decode step's window, `decode_windows`; the
+    whole cache for a prefill) under the slot mask."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     b, t, _ = x_BxTxD.shape
@@ -112,31 +220,28 @@ class Attention(nn.Module):
     kk = rope(kk, positions_BxT, cfg.rope_theta)
     if cfg.kv_quant != "none":
       kk, v = kv_fake_quant(kk, cfg), kv_fake_quant(v, cfg)
+    q, kk, v = q.astype(dt), kk.astype(dt), v.astype(dt)
+    # One query per row (decode) is a matrix-vector product XLA fuses; cuDNN's kernels are for prefill.
+    impl = attention_backend(cfg.attention_impl, dt, e, _platform()) if t > 1 else "xla"
 
     if kv is None:
-      keys_BxSxKxE, values_BxSxKxE = kk, v
-      q_slot = jnp.arange(t)
-      k_slot = jnp.arange(t)
+      # cuDNN wants the mask as a [B, 1, T, S] bias; is_causal lets it skip the upper triangle.
+      key_mask = jnp.broadcast_to(attention_mask[:, None, None, :].astype(bool), (b, 1, t, t))
+      out = fused_attention(q, kk, v, key_mask, True, impl)
     else:
       # Only the new tokens are written, into the stacked cache the scan carries, so a decode
       # step updates the cache in place instead of copying a layer's slice out and back.
       at = (layer, 0, index, 0, 0)
       kv = {"k": jax.lax.dynamic_update_slice(kv["k"], kk[None].astype(kv["k"].dtype), at),
             "v": jax.lax.dynamic_update_slice(kv["v"], v[None].astype(kv["v"].dtype), at)}
-      keys_BxSxKxE, values_BxSxKxE = kv["k"][layer], kv["v"][layer]
-      q_slot = index + jnp.arange(t)
-      k_slot = jnp.arange(keys_BxSxKxE.shape[1])
-    causal_TxS = q_slot[:, None] >= k_slot[None, :]
-    mask_BxTxS = causal_TxS[None] & attention_mask[:, None, :].astype(bool)
-
-    g = h // k
-    q_BxTxKxGxE = q.reshape(b, t, k, g, e)
-    scores = jnp.einsum(
-        "btkge,bske->bkgts", q_BxTxKxGxE, keys_BxSxKxE.astype(dt),
-        preferred_element_type=jnp.float32) * (e ** -0.5)
-    scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bske->btkge", probs, values_BxSxKxE.astype(dt))
+      s = self.window or kv["k"].shape[2]
+      slot = jnp.arange(s)
+      written_BxS = attention_mask[:, :s].astype(bool) & (slot < index + t)[None, :]
+      mask = ((index + jnp.arange(t))[:, None] >= slot[None, :])[None, None] & written_BxS[:, None, None, :]
+      # Slots not yet written may hold anything (a donated cache keeps the last call's values, NaN
+      # after a diverged run): zeroed, as a masked NaN still turns the softmax into NaN.
+      keys, values = (jnp.where(written_BxS[:, :, None, None], kv[n][layer, :, :s], 0).astype(dt) for n in "kv")
+      out = fused_attention(q, keys, values, mask, False, impl)
     out = out.reshape(b, t, h * e)
     return _dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", cfg)(out), kv
 
@@ -156,13 +261,14 @@ class DecoderLayer(nn.Module):
   """One layer as a scan body: carry `(x, kv)`, scanned over the layer index."""
 
   cfg: ModelConfig
+  window: int | None = None
 
   @nn.compact
   def __call__(self, carry, layer, positions, attention_mask, index):
     x, kv = carry
     cfg = self.cfg
     h = RMSNorm(cfg.rms_norm_eps, name="input_layernorm")(x)
-    a, kv = Attention(cfg, name="self_attn")(h, positions, attention_mask, kv, layer, index)
+    a, kv = Attention(cfg, self.window, name="self_attn")(h, positions, attention_mask, kv, layer, index)
     x = x + a
     h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm")(x)
     return (x + MLP(cfg, name="mlp")(h), kv), None
@@ -184,15 +290,19 @@ def check_remat_policy(name: str) -> str:
   return name
 
 
-def scanned_layers(cfg: ModelConfig, remat_policy: str, name: str = "layers") -> nn.Module:
-  """Every decoder layer as one `nn.scan`: params stacked on a leading `[L]` axis, one compiled body."""
+def scanned_layers(cfg: ModelConfig, remat_policy: str, name: str = "layers", unroll: bool = False,
+                   window: int | None = None) -> nn.Module:
+  """Every decoder layer as one `nn.scan`: params stacked on a leading `[L]` axis, one compiled body
+  (`unroll`: the same scan as straight-line code, for cost analyses that count a loop body once;
+  `window`: a decode step's cache window)."""
   layer = DecoderLayer
   if REMAT_POLICIES[check_remat_policy(remat_policy)] is not None:
     # prevent_cse=False: inside a scan the loop already keeps XLA from merging the recomputation back.
     layer = nn.remat(DecoderLayer, policy=REMAT_POLICIES[remat_policy], prevent_cse=False)
   scan = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers)
-  return scan(cfg, name=name)
+                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
+                 unroll=cfg.num_layers if unroll else 1)
+  return scan(cfg, window, name=name)
 
 
 class Decoder(nn.Module):
@@ -200,13 +310,15 @@ class Decoder(nn.Module):
 
   cfg: ModelConfig
   remat_policy: str = "nothing"
+  unroll_layers: bool = False
+  window: int | None = None
 
   def setup(self):
     cfg = self.cfg
     self.embed_tokens = nn.Embed(
         cfg.vocab_size, cfg.hidden_size, param_dtype=jnp.float32,
         embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
-    self.layers = scanned_layers(cfg, self.remat_policy)
+    self.layers = scanned_layers(cfg, self.remat_policy, unroll=self.unroll_layers, window=self.window)
     self.norm = RMSNorm(cfg.rms_norm_eps, name="norm")
     if not cfg.tie_word_embeddings:
       self.lm_head = _dense(cfg.vocab_size, False, "lm_head", cfg, act_quant=False)
@@ -245,17 +357,31 @@ class Model:
   """Pure-functional handle on the decoder: params are a plain pytree, the decoder layers' stacked
   under `params["layers"]` (leading axis: the layer)."""
 
-  def __init__(self, cfg: ModelConfig, remat_policy: str = "nothing"):
+  def __init__(self, cfg: ModelConfig, remat_policy: str = "nothing", unroll_layers: bool = False):
+    """`unroll_layers`: lower the layer scan as straight-line code (same numbers, slower compiles),
+    so that XLA's cost analysis, which counts a loop body once, counts every layer."""
     self.cfg = cfg
     self.remat_policy = check_remat_policy(remat_policy)
-    self.module = Decoder(cfg, remat_policy=remat_policy)
+    self.unroll_layers = unroll_layers
+    self.module = Decoder(cfg, remat_policy=remat_policy, unroll_layers=unroll_layers)
 
   def init(self, rng: jax.Array) -> Params:
     tokens = jnp.zeros((1, 2), jnp.int32)
     return self.module.init(rng, tokens, method=Decoder.init_all)["params"]
 
   def hidden(self, params, tokens, positions, attention_mask, cache=None):
-    return self.module.apply({"params": params}, tokens, positions, attention_mask, cache)
+    """`(hidden [B, T, D], cache)`. A decode step (one new token per row) attends over the smallest
+    of the cache's `decode_windows` that holds the tokens so far."""
+    windows = () if cache is None or tokens.shape[1] != 1 else decode_windows(cache["k"].shape[2])
+    if len(windows) < 2:
+      return self.module.apply({"params": params}, tokens, positions, attention_mask, cache)
+    branches = [functools.partial(self._windowed_apply, w) for w in windows]
+    pick = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), cache["index"] + 1), len(windows) - 1)
+    return jax.lax.switch(pick, branches, params, tokens, positions, attention_mask, cache)
+
+  def _windowed_apply(self, window, params, tokens, positions, attention_mask, cache):
+    decoder = Decoder(self.cfg, remat_policy=self.remat_policy, unroll_layers=self.unroll_layers, window=window)
+    return decoder.apply({"params": params}, tokens, positions, attention_mask, cache)
 
   def logits(self, params, hidden):
     return self.module.apply({"params": params}, hidden, method=Decoder.logits)

@@ -67,14 +67,19 @@ def absmax_scale(x: jax.Array, name: str, axis=None) -> jax.Array:
 
 @flax.struct.dataclass
 class QArray:
-  """A matrix held quantized: `q` (fp8/int8) times `scale`; `shape` is the dequantized shape."""
+  """A matrix held quantized: `q` (fp8/int8) times `scale`; `shape` is the dequantized shape.
+
+  `transposed`: `q` holds each `[in, out]` matrix as `[out, in]` (scales unchanged), the layout
+  FP8 GEMMs read without a transpose (the contracting dimension minor on both operands)."""
 
   q: jax.Array
   scale: jax.Array
   shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
+  transposed: bool = flax.struct.field(pytree_node=False, default=False)
 
   def dequantize(self) -> jax.Array:
-    x = self.q.astype(jnp.float32) * self.scale
+    q = jnp.swapaxes(self.q, -1, -2) if self.transposed else self.q
+    x = q.astype(jnp.float32) * self.scale
     if x.shape != self.shape:  # block layout [..., R/128, 128, C/128, 128], padded
       x = x.reshape(*x.shape[:-4], x.shape[-4] * BLOCK, x.shape[-2] * BLOCK)[..., : self.shape[-2], : self.shape[-1]]
     return x
@@ -108,7 +113,74 @@ def fake_quant(x: jax.Array, fmt: QuantFormat) -> jax.Array:
   return quantize(x, fmt).dequantize()
 
 
-def unpack(params):
-  """Dequantizes every `QArray` leaf (call inside jit: XLA fuses it into the consumers)."""
-  return jax.tree.map(lambda x: x.dequantize() if isinstance(x, QArray) else x, params,
-                      is_leaf=lambda x: isinstance(x, QArray))
+def fp8_matmul_ready(x) -> bool:
+  """A packed e4m3 matrix with per-tensor or per-channel scales: `fp8_dot` can multiply it."""
+  return (isinstance(x, QArray) and x.q.dtype == jnp.float8_e4m3fn and x.q.ndim == len(x.shape)
+          and x.scale.shape[-2] == 1)
+
+
+def _layer_kernels(fn, params):
+  """`fn` applied to the fp8-ready `QArray`s of the decoder layers (`params["layers"]`)."""
+  def visit(path, x):
+    return fn(x) if getattr(path[0], "key", None) == "layers" and fp8_matmul_ready(x) else x
+
+  return jax.tree_util.tree_map_with_path(visit, params, is_leaf=lambda x: isinstance(x, QArray))
+
+
+def fp8_matmul_layout(params):
+  """The decoder layers' fp8-ready matrices stored `[out, in]` (`QArray.transposed`), once, where
+  an engine installs its weights: an FP8 GEMM then reads them as they are, each decode step."""
+  def flip(x):
+    return x if x.transposed else x.replace(q=jnp.swapaxes(x.q, -1, -2), transposed=True)
+
+  return _layer_kernels(flip, params)
+
+
+def unpack(params, keep_fp8: bool = False):
+  """Dequantizes every `QArray` leaf (call inside jit: XLA fuses it into the consumers). With
+  `keep_fp8`, decoder-layer matrices `fp8_dot` can multiply stay packed (`fp8_matmul` models)."""
+  def visit(path, x):
+    if not isinstance(x, QArray):
+      return x
+    if keep_fp8 and getattr(path[0], "key", None) == "layers" and fp8_matmul_ready(x):
+      return x
+    return x.dequantize()
+
+  return jax.tree_util.tree_map_with_path(visit, params, is_leaf=lambda x: isinstance(x, QArray))
+
+
+def fp8_dot(x: jax.Array, w: QArray) -> jax.Array:
+  """`x [..., in] @ w` with both operands fp8 on the dot: x rounded to e4m3 with a per-token
+  absmax scale (as `act_quant="fp8_e4m3"` rounds it), fp32 accumulation, and the two scales
+  applied to the fp32 product. Mathematically the fake-quant product; only the rounding of the
+  sum differs. `w` is one layer's slice: `q [in, out]` (`[out, in]` when transposed) and
+  `scale [1, out]` or `[1, 1]`."""
+  x32 = x.astype(jnp.float32)
+  sx = absmax_scale(x32, "fp8_e4m3", axis=-1)
+  xq = round_to_format(x32 / sx, "fp8_e4m3")
+  contract = 1 if w.transposed else 0
+  y = jax.lax.dot_general(xq, w.q, (((x.ndim - 1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
+  return y * sx * w.scale
+
+
+# FP8 tensor cores: Ada (8.9) and Hopper (9.0) and later.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_support(device) -> None:
+  """One error when `fp8_matmul` is asked of a GPU without FP8 tensor cores (compute capability
+  below 8.9); CPUs and TPUs pass (XLA upcasts where the hardware has no fp8 units)."""
+  if device.platform != "gpu":
+    return
+  cap = str(getattr(device, "compute_capability", "") or "")
+  try:
+    have = tuple(int(p) for p in cap.split(".")[:2])
+  except ValueError:
+    have = ()
+  if len(have) == 2 and have >= FP8_MIN_CAPABILITY:
+    return
+  need = ".".join(map(str, FP8_MIN_CAPABILITY))
+  raise UserError(
+      f"fp8_matmul needs a GPU of compute capability >= {need} (FP8 tensor cores: Ada, Hopper or newer);"
+      f" {getattr(device, 'device_kind', 'this GPU')} has compute capability {cap or 'unknown'}. Turn"
+      " fp8_matmul off: packed fp8 weights are then dequantized to the compute dtype before each matmul.")

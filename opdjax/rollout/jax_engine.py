@@ -3,7 +3,12 @@
 One jitted function does the prefill and the whole decode loop
 (`lax.while_loop`, no Python loop per token) over a preallocated KV cache that is
 donated into the call and handed back for the next one. Prompts are left-padded
-so every row writes the same cache slot at each step.
+so every row writes the same cache slot at each step; a decode step reads only the
+filled part of the cache.
+
+Packed (`QArray`) weights are dequantized inside the jitted function, where XLA fuses
+the dequantization into the matmuls; a model with `fp8_matmul` keeps its fp8 layer
+weights packed and multiplies them on fp8 with fp8 activations (W8A8).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import numpy as np
 
 from opdjax.errors import UserError
 from opdjax.models.decoder import Model, positions_from_mask
-from opdjax.models.quant import QArray, unpack
+from opdjax.models.quant import QArray, check_fp8_support, fp8_matmul_layout, unpack
 from opdjax.parallel.placement import SINGLE
 from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams
 from opdjax.rollout.sampling import sample
@@ -40,6 +45,32 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 8
   return toks, mask
 
 
+def install_params(params, model: Model):
+  """The params as the engine holds them: floating leaves cast once to the compute dtype (bf16
+  decode reads bf16 weights), and for an `fp8_matmul` model the fp8 layer weights laid out
+  `[out, in]` (`fp8_matmul_layout`). Pure, so `jax.eval_shape` gives an engine's abstract params."""
+  dt = jnp.dtype(model.cfg.dtype)
+  if dt != jnp.float32:
+    params = jax.tree.map(
+        lambda x: x.astype(dt) if not isinstance(x, QArray) and jnp.issubdtype(x.dtype, jnp.floating) else x,
+        params, is_leaf=lambda x: isinstance(x, QArray))
+  return fp8_matmul_layout(params) if model.cfg.fp8_matmul else params
+
+
+def engine_params(params, model: Model):
+  """The params the decoder multiplies with: packed weights dequantized, except the fp8 layer
+  weights an `fp8_matmul` model multiplies on fp8 (call inside jit)."""
+  return unpack(params, keep_fp8=model.cfg.fp8_matmul)
+
+
+def decode_step(params, cache, tokens_B, positions_B, kv_mask_BxS, *, model: Model):
+  """One new token per row: `(logits [B, V] fp32, cache)`. `kv_mask_BxS` already marks the slot
+  this token is written to (`cache["index"]`)."""
+  params = engine_params(params, model)
+  h, cache = model.hidden(params, tokens_B[:, None], positions_B[:, None], kv_mask_BxS, cache)
+  return model.logits(params, h[:, 0]), cache
+
+
 def _generate(params, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
               sampling: SamplingParams, eos_ids: tuple[int, ...], pad_id: int):
   b, p = prompt_BxP.shape
@@ -47,9 +78,8 @@ def _generate(params, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
   positions = positions_from_mask(prompt_mask_BxP)
   kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((b, n), bool)], axis=1)
   cache = {**cache, "index": jnp.zeros((), jnp.int32)}
-  # Quantized (`QArray`) weights are dequantized where they are used, inside the jitted loop.
-  h, cache = model.hidden(unpack(params), prompt_BxP, positions, kv_mask_BxS, cache)
-  logits = model.logits(unpack(params), h[:, -1])
+  h, cache = model.hidden(engine_params(params, model), prompt_BxP, positions, kv_mask_BxS, cache)
+  logits = model.logits(engine_params(params, model), h[:, -1])
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
   def cond(s):
@@ -68,9 +98,9 @@ def _generate(params, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
     }
     done = s["done"] | jnp.isin(tok, eos)
     kv_mask = s["kv_mask"].at[:, p + step].set(True)
-    h, cache = model.hidden(unpack(params), tok[:, None], s["pos"][:, None], kv_mask, s["cache"])
+    logits, cache = decode_step(params, s["cache"], tok, s["pos"], kv_mask, model=model)
     return {**out, "step": step + 1, "done": done, "kv_mask": kv_mask, "cache": cache,
-            "pos": s["pos"] + 1, "rng": rng, "logits": model.logits(unpack(params), h[:, 0])}
+            "pos": s["pos"] + 1, "rng": rng, "logits": logits}
 
   state = {
       "step": jnp.zeros((), jnp.int32),
@@ -105,6 +135,9 @@ class JaxEngine(RolloutEngine):
     self.pad_id = pad_id
     self.eos_ids = tuple(model.cfg.eos_ids if eos_ids is None else eos_ids)
     self.kv_dtype = kv_dtype
+    if model.cfg.fp8_matmul:
+      check_fp8_support(jax.devices()[0])
+    self._install = jax.jit(functools.partial(install_params, model=model))  # compiled once per engine
     self.sync(params, version)
     self._cache = None
     self._compiled: dict[SamplingParams, object] = {}
@@ -114,12 +147,10 @@ class JaxEngine(RolloutEngine):
     return self._version
 
   def sync(self, params, version: int) -> None:
-    """Installs weights, cast once to the model's compute dtype (bf16 decode reads bf16 weights)."""
-    dt = jnp.dtype(self.model.cfg.dtype)
-    if dt != jnp.float32:
-      params = jax.tree.map(
-          lambda x: x.astype(dt) if not isinstance(x, QArray) and jnp.issubdtype(x.dtype, jnp.floating) else x,
-          params, is_leaf=lambda x: isinstance(x, QArray))
+    """Installs weights as the engine holds them (`install_params`)."""
+    cfg = self.model.cfg
+    if params is not None and (jnp.dtype(cfg.dtype) != jnp.float32 or cfg.fp8_matmul):
+      params = self._install(params)
     self._params = params
     self._version = version
 
