@@ -1,7 +1,8 @@
 """The OPD loop: the one place a train step is called inside a step loop.
 
-Each step: sample (Sampler) -> re-score into a batch and run the jitted step (objective) -> record
-step t-1 only after step t is dispatched (no host sync in between). Everything else is a hook:
+Each step: sample and prepare the objective's inputs (Sampler; AsyncSampler with
+rollout.async_depth > 0, a producer thread running ahead) -> run the jitted step (objective) ->
+record step t-1 only after step t is dispatched (no host sync in between). Everything else is a hook:
 held-out evaluation, checkpoints, the non-finite policy, fault injection, progress, metric writers.
 `opdjax train`, the calibration/admission sweeps, the mismatch warm-ups, the GRPO comparison and the
 admission validation all run `run_loop`, so a budget is measured on the loop users train with.
@@ -9,11 +10,16 @@ admission validation all run `run_loop`, so a budget is measured on the loop use
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
+import jax
+import numpy as np
+
+from opdjax.pipeline.async_sampler import AsyncSampler
 from opdjax.pipeline.session import Session
-from opdjax.pipeline.stages import Sampler, objective
+from opdjax.pipeline.stages import Sample, Sampler, objective
 from opdjax.training.step import TrainState
 from opdjax.views.view import EngineView
 
@@ -21,10 +27,12 @@ from opdjax.views.view import EngineView
 class Hook:
   """Called by the loop; every method is optional.
 
-  `start(loop)` before the first step, then `ready(loop)` once every hook has started; `after_step(loop, step)` once step `step`'s update is
-  dispatched (loop.state holds it, loop.pending its not-yet-written record); `phase(loop, name, step)`
-  after the rollout / the step of `step` (fault injection); `record(loop, rec)` when a step's record
-  is final; `end(loop)` after the last record; `close(loop)` always, also on errors.
+  `start(loop)` before the first step, then `ready(loop)` once every hook has started;
+  `after_step(loop, step)` once step `step`'s update is dispatched (loop.state holds it,
+  loop.pending its not-yet-written record); `phase(loop, name, step)` after the rollout / the step
+  of `step` (fault injection); `record(loop, rec)` when a step's record is final; `end(loop)` after
+  the last record; `close(loop)` always, also on errors. A hook may set `loop.stop` (a reason) to
+  end the run after the current step (the checkpoint hook saves it first).
   """
 
   def start(self, loop: Loop) -> None: ...
@@ -43,28 +51,35 @@ class Loop:
   seed: int
   steps: int
   state: TrainState
-  sampler: Sampler
+  sampler: Sampler | AsyncSampler
   hooks: list
   start_step: int = 0
   last_eval: dict | None = None
   records: list = dataclasses.field(default_factory=list)
-  pending: tuple | None = None  # (record, device metrics, score thunk) of the last dispatched step
+  pending: tuple | None = None  # (record, device metrics, score thunk, timing) of the last dispatched step
   t0: float = dataclasses.field(default_factory=time.time)
+  eval_s: float = 0.0  # seconds spent in held-out evaluation, left out of `wall_s`
+  stop: str | None = None
+  timed: bool = False
 
   def flush(self) -> None:
     """Reads the pending step's metrics to the host and hands its record to every hook."""
     if self.pending is None:
       return
-    rec, metrics, score = self.pending
+    rec, metrics, score, timing = self.pending
     self.pending = None
     s = score()
     if s is not None:
       rec["train_accuracy"] = s
+    metrics = jax.device_get(metrics)  # one transfer for every metric
     rec.update({("train_reverse_kl" if k == "reverse_kl" else k): float(v) for k, v in metrics.items()})
     if self.last_eval is not None:
       for k, v in self.last_eval.items():
         rec.setdefault(k, v)  # held-out numbers of the latest evaluation
     rec["elapsed_s"] = round(time.time() - self.t0, 3)
+    if timing is not None:
+      rec.update(timing.fields(self.eval_s))
+      rec["wall_s"] = round(rec["elapsed_s"] - self.eval_s, 3)
     self.emit(rec)
 
   def emit(self, rec: dict) -> None:
@@ -72,52 +87,112 @@ class Loop:
     for h in self.hooks:
       h.record(self, rec)
 
-  def evaluate(self, step: int) -> dict:
-    self.last_eval = {**self.session.evaluate(self.state.params, step), "eval_step": step}
+  def evaluate(self, step: int, pause: bool = False) -> dict:
+    """Held-out quality of the current params; its seconds are counted in `eval_s` (left out of
+    `wall_s`), after the step in flight finished. `pause`: the producer waits meanwhile, so that
+    time left out of the wall clock is time in which neither side works (time-to-quality
+    comparisons); otherwise it keeps sampling (a real run's wall clock)."""
+    with self.sampler.paused() if pause else contextlib.nullcontext():
+      jax.block_until_ready(self.state)
+      t = time.perf_counter()
+      self.last_eval = {**self.session.evaluate(self.state.params, step), "eval_step": step}
+      self.eval_s += time.perf_counter() - t
     return self.last_eval
+
+
+class Timing:
+  """A step's time split: the sampler's stages (Sample.stats) and the trainer's busy time, from
+  receiving the rollout to the end of the step's hooks (or to the record's flush, if earlier),
+  evaluation left out."""
+
+  def __init__(self, sample: Sample, step: int, depth: int, eval_s: float):
+    self.stats, self.step, self.depth = dict(sample.stats), step, depth
+    self.versions = self.stats.pop("versions", None)
+    self.t0, self.eval0, self.t1, self.eval1 = time.perf_counter(), eval_s, None, None
+
+  def end(self, eval_s: float) -> None:
+    self.t1, self.eval1 = time.perf_counter(), eval_s
+
+  def fields(self, eval_s: float) -> dict:
+    t1, eval1 = (self.t1, self.eval1) if self.t1 is not None else (time.perf_counter(), eval_s)
+    st = self.stats
+    # Synchronous: the sampler first waits for the previous step's device work (it makes the params):
+    # train time, counted in the record where it is measured.
+    train = t1 - self.t0 - (eval1 - self.eval0) + st.pop("time_step_wait_s", 0.0)
+    sampling = sum(st.get(k, 0.0) for k in ("time_weight_sync_s", "time_generate_s", "time_prepare_s"))
+    if "time_queue_wait_s" in st:  # asynchronous: each side waits only for the other
+      trainer_wait, producer_wait = st["time_queue_wait_s"], st.get("time_producer_wait_s", 0.0)
+    else:  # synchronous: each side waits while the other works
+      trainer_wait, producer_wait = sampling, train
+    out = {k: round(v, 6) for k, v in st.items()}
+    out.update({"time_train_s": round(train, 6), "async_depth": self.depth,
+                "idle_trainer_frac": round(trainer_wait / max(trainer_wait + train, 1e-9), 4),
+                "idle_producer_frac": round(producer_wait / max(producer_wait + sampling, 1e-9), 4)})
+    if self.versions is not None:  # over the step's sequences (one version a rollout with both engines)
+      out["params_lag_max"] = int(self.step - np.min(self.versions))
+    return out
 
 
 def run_loop(session: Session, *, view: EngineView | None = None, seed: int | None = None, steps: int | None = None,
              hooks=(), algo: str = "opd", state: TrainState | None = None, history=None, start: int = 0,
-             last_eval: dict | None = None) -> Loop:
+             last_eval: dict | None = None, async_depth: int = 0, async_mode: str = "exact", devices: str = "",
+             timed: bool | None = None) -> Loop:
   """Runs steps `start`..`steps` of one run and returns the finished Loop (records, final state).
 
   Defaults come from the session's config: the rollout view, the seed, train.steps. A run from
   step 0 begins with a record of step 0 (held-out quality before training) when an EvalHook is
-  present. `state`/`history`/`last_eval` resume a run (from a checkpoint).
+  present. `state`/`history`/`last_eval` resume a run (from a checkpoint). `async_depth` > 0: a
+  producer thread samples ahead (`async_mode`, `devices`: see opdjax.pipeline.async_sampler).
+  `timed`: records carry the time split (default: asynchronous runs only, as it blocks after each
+  synchronous sampling stage).
   """
   cfg = session.cfg
   view = EngineView.parse(cfg.rollout.view) if view is None else view
   seed = cfg.seed if seed is None else seed
   steps = cfg.train.steps if steps is None else steps
   group = cfg.grpo.group_size if algo == "grpo" else 1
-  sampler = Sampler(session, view, seed, group)
-  if history is not None and sampler.history is not None:
-    for version, params in zip(history[0], history[1]):
-      sampler.history.push(version, params)
   obj = objective(session, algo)
   if state is None:  # the step donates its state: never the session's own params
     state = session.new_state(algo)
-  loop = Loop(session, view, seed, steps, state, sampler, list(hooks), start, last_eval)
+  if async_depth:
+    trainer_device = next(iter(jax.tree.leaves(state.params)[0].devices()))
+    # Committed like the inputs the producer sends: the step compiles once, not again at step 2.
+    state = jax.device_put(state, trainer_device)
+    sampler = AsyncSampler(session, view, seed, group, obj.prepare, depth=async_depth, mode=async_mode, steps=steps,
+                           devices=devices, trainer_device=trainer_device)
+  else:
+    sampler = Sampler(session, view, seed, group, obj.prepare, timed=bool(timed))
+  if history is not None and sampler.history is not None:
+    for version, params in zip(history[0], history[1]):
+      sampler.history.push(version, params)
+  loop = Loop(session, view, seed, steps, state, sampler, list(hooks), start, last_eval,
+              timed=sampler.timed if timed is None else timed)
   try:
     for h in loop.hooks:
       h.start(loop)
     for h in loop.hooks:
       h.ready(loop)
     for step in range(start, steps):
-      rollout, refs = sampler(step, loop.state.params)
+      sample = sampler(step, loop.state.params)
+      timing = Timing(sample, step, sampler.depth, loop.eval_s) if loop.timed else None
       _phase(loop, "rollout", step + 1)
-      loop.state, metrics, score = obj(loop.state, rollout, refs)
+      loop.state, metrics, score = obj(loop.state, sample)
       _phase(loop, "step", step + 1)
       loop.flush()  # step t-1's record, after step t is dispatched
-      loop.pending = ({"step": step + 1, "params_version": rollout.params_version,
-                       "params_lag": step - rollout.params_version}, metrics, score)
+      version = sample.rollout.params_version
+      loop.pending = ({"step": step + 1, "params_version": version, "params_lag": step - version}, metrics, score,
+                      timing)
       for h in loop.hooks:
         h.after_step(loop, step + 1)
+      if timing is not None:
+        timing.end(loop.eval_s)
+      if loop.stop is not None:
+        break
     loop.flush()
     for h in loop.hooks:
       h.end(loop)
   finally:
+    sampler.close()
     for h in loop.hooks:
       h.close(loop)
   return loop

@@ -1,10 +1,17 @@
-"""The stages of one OPD step: sample (engine, at the view's lag, noise and precision) -> re-score
-into a batch and run the jitted train step (the objective). The loop (opdjax.pipeline.loop) strings
-them together; asynchronous sampling replaces the sampler, nothing else.
+"""The stages of one OPD step: sample (engine, at the view's lag, noise and precision) -> prepare the
+objective's inputs from the rollout alone (re-scoring batch, rewards) -> run the jitted train step
+(the objective). The loop (opdjax.pipeline.loop) strings them together; asynchronous sampling
+(opdjax.pipeline.async_sampler) replaces the sampler, nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
 import jax.numpy as jnp
 
 from opdjax import seeds
@@ -16,31 +23,105 @@ from opdjax.views.history import ParamsHistory
 from opdjax.views.view import EngineView
 
 
+@dataclasses.dataclass
+class Sample:
+  """Step t's rollout, ready for the objective. `inputs` are built from the rollout alone (no params),
+  so a producer can build them off the trainer's critical path; `score()` is the verifier's score of
+  the completions (None without a verifier). `stats`: seconds spent in each sampling stage (timed
+  samplers only)."""
+
+  rollout: Rollout
+  refs: list
+  inputs: object
+  score: Callable[[], float | None]
+  stats: dict = dataclasses.field(default_factory=dict)
+
+
+def check_group(batch: int, group: int) -> None:
+  if batch % group:
+    raise UserError(f"rollout.batch_size={batch} is not a multiple of grpo.group_size={group}.")
+
+
+def step_prompts(session: Session, seed: int, step: int, batch: int, group: int) -> tuple[list, list]:
+  """Step `step`'s prompts and references (the seed rule), each repeated `group` times (GRPO groups)."""
+  prompts, refs = session.task.train_batch(seeds.rng(seed, step, "prompts"), batch // group)
+  if group > 1:
+    prompts = [p for p in prompts for _ in range(group)]
+    refs = [r for r in refs for _ in range(group)]
+  return prompts, refs
+
+
 class Sampler:
   """Rollouts for step t from the params the view's engine holds: the trainer's params `lag` steps
-  old, then noise and quantization. `group` > 1 repeats each prompt (GRPO groups)."""
+  old, then noise and quantization; then the objective's `prepare`. `group` > 1 repeats each prompt
+  (GRPO groups). Synchronous: it runs in the trainer's thread, between two train steps. `timed`:
+  block after each stage to record its seconds (costs the overlap of generation with the
+  previous step's device work)."""
 
-  def __init__(self, session: Session, view: EngineView, seed: int, group: int = 1):
-    batch = session.cfg.rollout.batch_size
-    if batch % group:
-      raise UserError(f"rollout.batch_size={batch} is not a multiple of grpo.group_size={group}.")
-    self.session, self.view, self.seed, self.group = session, view, seed, group
-    self.engine = session.engines.get(view)
-    self.prompts_per_step = batch // group
+  depth = 0
+  mode = "sync"
+
+  def __init__(self, session: Session, view: EngineView, seed: int, group: int = 1,
+               prepare: Callable | None = None, timed: bool = False):
+    self.session, self.seed, self.group, self.timed = session, seed, group, timed
+    self.prepare = prepare or (lambda rollout, refs: (rollout, lambda: None))
+    check_group(session.cfg.rollout.batch_size, group)
+    self.history = None
+    self._set_view(view)
+
+  def _set_view(self, view: EngineView) -> None:
+    old = self.history
+    self.view, self.engine = view, self.session.engines.get(view)
     self.history = ParamsHistory(view.lag + 1) if view.lag else None
+    if old is not None and self.history is not None:  # keep the versions a larger lag still needs
+      for v, p in zip(old.versions, old.params()):
+        self.history.push(v, p)
 
-  def __call__(self, step: int, params) -> tuple[Rollout, list]:
-    s = self.session
-    prompts, refs = s.task.train_batch(seeds.rng(self.seed, step, "prompts"), self.prompts_per_step)
-    if self.group > 1:
-      prompts = [p for p in prompts for _ in range(self.group)]
-      refs = [r for r in refs for _ in range(self.group)]
+  def __call__(self, step: int, params) -> Sample:
+    s, clock = self.session, Clock(self.timed)
+    clock.lap("time_step_wait_s", params)  # the previous train step's device time (it makes `params`)
+    prompts, refs = step_prompts(s, self.seed, step, s.cfg.rollout.batch_size, self.group)
     version = step
     if self.history is not None:  # the history copies params (the step donates them)
       self.history.push(step, params)
       version, params = self.history.lagged(self.view.lag)
-    self.engine.sync(s.engine_params(self.engine, self.view, params, version, self.seed), version)
-    return self.engine.generate(prompts, s.sampling, seed=seeds.derive(self.seed, step, "sample")), refs
+    engine_params = s.engine_params(self.engine, self.view, params, version, self.seed)
+    self.engine.sync(engine_params, version)
+    clock.lap("time_weight_sync_s", engine_params)
+    rollout = self.engine.generate(prompts, s.sampling, seed=seeds.derive(self.seed, step, "sample"))
+    clock.lap("time_generate_s", rollout)
+    inputs, score = self.prepare(rollout, refs)
+    clock.lap("time_prepare_s", inputs)
+    return Sample(rollout, refs, inputs, score, clock.laps)
+
+  def reconfigure(self, depth: int | None = None, view: EngineView | None = None) -> None:
+    """The guard's backoff: a synchronous sampler can only change its view (from the next step)."""
+    if depth:
+      raise UserError("a synchronous sampler has no async depth to change.")
+    if view is not None and view != self.view:
+      self._set_view(view)
+
+  def paused(self):
+    return contextlib.nullcontext()  # nothing runs beside the trainer
+
+  def close(self) -> None:
+    pass
+
+
+class Clock:
+  """Seconds per stage; blocks on each stage's output only when timing (a host sync otherwise avoided)."""
+
+  def __init__(self, enabled: bool):
+    self.enabled, self.laps, self.t = enabled, {}, time.perf_counter()
+
+  def lap(self, name: str, output=None) -> None:
+    if not self.enabled:
+      return
+    if output is not None:
+      jax.block_until_ready(output)
+    now = time.perf_counter()
+    self.laps[name] = self.laps.get(name, 0.0) + now - self.t
+    self.t = now
 
 
 class OpdObjective:
@@ -49,9 +130,12 @@ class OpdObjective:
   def __init__(self, session: Session):
     self.session, self.step_fn = session, session.train_step("opd")
 
-  def __call__(self, state, rollout: Rollout, refs):
-    state, metrics = self.step_fn(state, self.session.teacher_params, batch_from_rollout(rollout))
-    return state, metrics, lambda: self.session.task.score(refs, rollout.completions())
+  def prepare(self, rollout: Rollout, refs):
+    return batch_from_rollout(rollout), lambda: self.session.task.score(refs, rollout.completions())
+
+  def __call__(self, state, sample: Sample):
+    state, metrics = self.step_fn(state, self.session.teacher_params, sample.inputs)
+    return state, metrics, sample.score
 
 
 class GrpoObjective:
@@ -62,12 +146,16 @@ class GrpoObjective:
 
     self.grpo, self.session, self.step_fn = grpo, session, session.train_step("grpo")
 
-  def __call__(self, state, rollout: Rollout, refs):
+  def prepare(self, rollout: Rollout, refs):
     g = self.session.cfg.grpo
     r = self.grpo.verifier_rewards(self.session.task, refs, rollout.completions())
     adv = self.grpo.group_advantages(jnp.asarray(r), g.group_size, g.normalize_std)
-    state, metrics = self.step_fn(state, batch_from_rollout(rollout), adv)
-    return state, metrics, lambda: float(r.mean())
+    return (batch_from_rollout(rollout), adv), lambda: float(r.mean())
+
+  def __call__(self, state, sample: Sample):
+    batch, adv = sample.inputs
+    state, metrics = self.step_fn(state, batch, adv)
+    return state, metrics, sample.score
 
 
 def objective(session: Session, algo: str):
