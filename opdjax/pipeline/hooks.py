@@ -16,18 +16,19 @@ from opdjax.views.history import ParamsHistory
 
 
 class EvalHook(Hook):
-  """Held-out quality at step 0 (a run from scratch), every `every` steps and at the last step."""
+  """Held-out quality at step 0 (a run from scratch), every `every` steps and at the last step.
+  `pause`: an asynchronous producer waits during evaluation (see Loop.evaluate)."""
 
-  def __init__(self, every: int):
-    self.every = max(1, every)
+  def __init__(self, every: int, pause: bool = False):
+    self.every, self.pause = max(1, every), pause
 
   def ready(self, loop: Loop) -> None:
     if loop.start_step == 0:
-      loop.emit({"step": 0, **{k: v for k, v in loop.evaluate(0).items() if k != "eval_step"}})
+      loop.emit({"step": 0, **{k: v for k, v in loop.evaluate(0, self.pause).items() if k != "eval_step"}})
 
   def after_step(self, loop: Loop, step: int) -> None:
     if step % self.every == 0 or step == loop.steps:
-      loop.pending[0].update(loop.evaluate(step))
+      loop.pending[0].update(loop.evaluate(step, self.pause))
 
 
 class NonFiniteHalt(UserError):
@@ -64,14 +65,14 @@ class FaultHook(Hook):
 
 
 class CheckpointHook(Hook):
-  """Orbax checkpoint of the whole run every `every` steps and at the end; the step's record is
-  on disk before the checkpoint that covers it."""
+  """Orbax checkpoint of the whole run every `every` steps, at the end and when a hook stops the run
+  (`loop.stop`); the step's record is on disk before the checkpoint that covers it."""
 
   def __init__(self, checkpointer, every: int, meta_fn, fault: FaultHook | None = None):
     self.ckpt, self.every, self.meta_fn, self.fault = checkpointer, every, meta_fn, fault
 
   def after_step(self, loop: Loop, step: int) -> None:
-    if (self.every and step % self.every == 0) or step == loop.steps:
+    if (self.every and step % self.every == 0) or step == loop.steps or loop.stop is not None:
       loop.flush()
       history = loop.sampler.history
       tree = {"train": loop.state, "history": history.params() if history else []}
@@ -166,6 +167,12 @@ class Progress(Hook):
   def record(self, loop: Loop, rec: dict) -> None:
     if not self.enabled or rec["step"] == loop.start_step:
       return
+    if "guard_event" in rec:  # the mismatch guard acted: always a line of its own
+      line = f"{self.desc}: step {rec['step']}: guard: {rec['guard_event']}"
+      if self.bar is not None:
+        self.bar.write(line, file=self.stream)
+      else:
+        print(line, file=self.stream, flush=True)
     if self.bar is not None:
       self.bar.update(1)
       self.bar.set_postfix(self._postfix(loop))

@@ -23,6 +23,7 @@ from opdjax.models.fetch import resolve
 from opdjax.parallel.distributed import barrier, check_multiprocess
 from opdjax.pipeline import hooks as H
 from opdjax.pipeline.checkpoint import TOKENIZER_FILES, RunCheckpointer, package_versions
+from opdjax.pipeline.guard import GuardHook, load_run_budget
 from opdjax.pipeline.loop import Loop, run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
 from opdjax.pipeline.session import Session
@@ -32,7 +33,7 @@ from opdjax.views.view import EngineView
 RESUMABLE = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
              "train.best_metric", "train.tensorboard", "rollout.vllm.url", "rollout.vllm.api_key",
              "rollout.vllm.python", "rollout.vllm.gpu_memory_utilization", "rollout.vllm.cpu_kvcache_gib",
-             "rollout.vllm.enforce_eager", "rollout.vllm.extra_args",
+             "rollout.vllm.enforce_eager", "rollout.vllm.extra_args", "rollout.devices",
              "mismatch.", "sensitivity.", "prefix_shift.", "calibrate.", "admit.",
              "mesh.")  # a checkpoint restores into any mesh and process count
 
@@ -58,7 +59,10 @@ class TrainResult:
 def config_changes(old: dict, new: dict) -> tuple[dict, dict]:
   """(refused, allowed) changes between a checkpoint's config and the new one: {key: (old, new)}."""
   a, b = flat(old), flat(new)
-  diff = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+  defaults = flat(Config().to_dict())
+  # A key newer than the checkpoint, at its default, is what the run did before the key existed.
+  diff = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+          if a.get(k) != b.get(k) and not (k not in a and b.get(k) == defaults.get(k))}
   allowed = {k: v for k, v in diff.items() if k in RESUMABLE or k.startswith(tuple(p for p in RESUMABLE
                                                                                    if p.endswith(".")))}
   return {k: v for k, v in diff.items() if k not in allowed}, allowed
@@ -79,27 +83,44 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
     raise UserError(f"--resume: no checkpoint under {ckpt_dir}.")
   if has_ckpt and resume == "never":
     raise UserError(f"{out_dir} already holds a run's checkpoints; pass a new --out folder.")
+  if cfg.rollout.async_depth and cfg.rollout.engine == "jax":
+    _host_devices()
   if jax.process_count() > 1:
     check_multiprocess(cfg)
     barrier("opdjax-out-checked")  # every process has read --out before process 0 writes into it
   session = Session(cfg, out_dir, progress)  # loads models: errors about them come before any write
   try:
-    return _train(session, out_dir, ckpt_dir, resuming, fallback, progress)
+    budget = load_run_budget(cfg.train.budget, session) if cfg.train.budget else None
+    return _train(session, out_dir, ckpt_dir, resuming, fallback, progress, budget)
   finally:
     session.close()
 
 
+def _host_devices() -> None:
+  """On CPU, a second host device for the asynchronous producer (one core a side), when JAX has not
+  started yet and nothing else chose a device count."""
+  from jax._src import xla_bridge
+
+  if (xla_bridge.backends_are_initialized() or jax.config.jax_num_cpu_devices > 1
+      or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")):
+    return
+  jax.config.update("jax_num_cpu_devices", 2)
+
+
 def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallback: bool,
-           progress: bool) -> TrainResult:
+           progress: bool, budget: float | None) -> TrainResult:
   cfg = session.cfg
   primary = session.placement.primary  # process 0 writes the run's files
-  view = EngineView.parse(cfg.rollout.view)
+  view, depth, guard_state = EngineView.parse(cfg.rollout.view), cfg.rollout.async_depth, None
   state, start, last_eval, history, changes = None, 0, None, None, {}
   if resuming:
     state = session.new_state()  # the restore target: checkpoints restore into its shapes and shardings
     ckpt = RunCheckpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, best_metric=cfg.train.best_metric)
     try:
-      start, state, last_eval, history, old_cfg = _resume(ckpt, state, session, fallback)
+      start, state, last_eval, history, old_cfg, meta = _resume(ckpt, state, session, fallback)
+      if "guard" in meta:  # the guard's backoffs so far: the resumed run samples as the run did at the checkpoint
+        view, depth = EngineView(**meta["engine"]["view_fields"]), meta["engine"]["async_depth"]
+        guard_state = meta["guard"]
     except BaseException:
       ckpt.close()
       raise
@@ -121,16 +142,27 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
   if primary:
     _append_history(out_dir, cfg, start, changes, resuming)
 
+  guard = None
+  if budget is not None:
+    guard = GuardHook(budget, cfg.train.budget, cfg.train.guard, cfg.train.guard_window,
+                      EngineView.parse(cfg.train.guard_view) if cfg.train.guard_view else None, ckpt, guard_state)
+
   def meta(loop: Loop, step: int) -> dict:
-    h = loop.sampler.history
-    return {"step": step, "last_eval": loop.last_eval, "config": cfg.to_dict(),
-            "student_config": session.student.cfg.to_hf_dict(), "history_versions": h.versions if h else [],
-            "engine": {"kind": cfg.rollout.engine, "view": str(view), "sampling": dataclasses.asdict(session.sampling)},
-            "teacher_view": str(session.teacher_view), "params_version": step, "versions": package_versions()}
+    h, s = loop.sampler.history, loop.sampler
+    out = {"step": step, "last_eval": loop.last_eval, "config": cfg.to_dict(),
+           "student_config": session.student.cfg.to_hf_dict(), "history_versions": h.versions if h else [],
+           "engine": {"kind": cfg.rollout.engine, "view": str(s.view), "view_fields": dataclasses.asdict(s.view),
+                      "async_depth": s.depth, "async_mode": cfg.rollout.async_mode,
+                      "sampling": dataclasses.asdict(session.sampling)},
+           "teacher_view": str(session.teacher_view), "params_version": step, "versions": package_versions()}
+    if guard is not None:
+      out["guard"] = guard.state()
+    return out
 
   fault = H.FaultHook()
-  hooks = [H.EvalHook(cfg.train.eval_every), fault, H.JsonlWriter(os.path.join(out_dir, "metrics.jsonl"),
-                                                                   start if resuming else -1)]
+  hooks = [] if guard is None else [guard]  # first: it annotates the record the writers write
+  hooks += [H.EvalHook(cfg.train.eval_every), fault, H.JsonlWriter(os.path.join(out_dir, "metrics.jsonl"),
+                                                                    start if resuming else -1)]
   if cfg.train.tensorboard:
     hooks.append(H.TensorBoardWriter(os.path.join(out_dir, "tensorboard")))
   hooks += [H.NonFiniteHook(cfg.train.on_nonfinite, ckpt), H.Progress("OPD", progress),
@@ -142,7 +174,8 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     loop_records, final_state = [], state
   else:
     loop = run_loop(session, view=view, seed=cfg.seed, steps=cfg.train.steps, hooks=hooks, state=state,
-                    history=history, start=start, last_eval=last_eval)
+                    history=history, start=start, last_eval=last_eval, async_depth=depth,
+                    async_mode=cfg.rollout.async_mode, devices=cfg.rollout.devices)
     loop_records, final_state = loop.records, loop.state
   if resuming and loop_records and last_eval:
     loop_records = [{"step": start, **last_eval}, *loop_records]
@@ -210,7 +243,7 @@ def _resume(ckpt: RunCheckpointer, state, session: Session, fallback: bool):
     if errors:
       print("opdjax: skipped unreadable checkpoints: " + " | ".join(errors), file=sys.stderr)
     history = (meta["history_versions"], tree["history"])
-    return step, tree["train"], meta["last_eval"], history, meta["config"]
+    return step, tree["train"], meta["last_eval"], history, meta["config"], meta
   raise UserError("no checkpoint could be restored: " + " | ".join(errors))
 
 
