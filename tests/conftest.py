@@ -77,7 +77,11 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-  """Tests marked `gpu` are skipped, with the reason shown, when JAX sees no GPU."""
+  """Tests that start vLLM (35-45 s a server on 2 cores) belong to the full suite, not the fast tier
+  (`-m "not slow"`); tests marked `gpu` are skipped, with the reason shown, when JAX sees no GPU."""
+  for item in items:
+    if "vllm" in item.keywords:
+      item.add_marker(pytest.mark.slow)
   if _has_gpu():
     return
   skip = pytest.mark.skip(reason="needs a GPU (JAX sees none)")

@@ -9,6 +9,8 @@ from opdjax.analyses import admission
 from opdjax.cli import main
 from opdjax.errors import UserError
 
+pytestmark = pytest.mark.slow  # calibration and admission runs: the full suite runs them
+
 
 def _point(view, mismatch, rkl, acc):
   return {"view": view, "mismatch": mismatch, "reverse_kl": list(rkl), "accuracy": list(acc)}

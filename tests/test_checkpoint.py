@@ -12,6 +12,8 @@ import pytest
 
 from opdjax import cli
 
+pytestmark = pytest.mark.slow  # end-to-end runs killed and resumed: the full suite runs them
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--config", "configs/demo.py", "--config.train.steps=8", "--config.train.checkpoint_every=2",
         "--config.train.eval_every=2", "--config.rollout.view=lag=1"]
@@ -168,6 +170,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from opdjax.pipeline.checkpoint import RunCheckpointer
+
 assert jax.device_count() == 4
 mesh = Mesh(np.array(jax.devices()), ("fsdp",))
 x = jnp.arange(64.0).reshape(16, 4)

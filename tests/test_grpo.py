@@ -21,6 +21,8 @@ from opdjax.training.grpo import (
 )
 from opdjax.training.step import TrainState
 
+pytestmark = pytest.mark.slow  # GRPO steps and rollouts compile per test: the full suite runs them
+
 
 def _model(vocab=24, hidden=16):
   return Model(ModelConfig(model_type="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,

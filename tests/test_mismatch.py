@@ -305,6 +305,7 @@ def test_view_rescoring_reproduces_the_engine(spec):
     assert float(m["abs_r_max"]) > 1e-3
 
 
+@pytest.mark.slow
 def test_mismatch_grows_with_strength():
   """Exact KL(view || trainer) on one fixed token set: monotone in each perturbation's strength."""
   model, params = _model()

@@ -325,6 +325,7 @@ def test_traced_program_does_not_grow_with_depth():
   assert min(counts[0]) >= 10  # 7 projections + 2 attention einsums + the logits, at least
 
 
+@pytest.mark.slow
 def test_remat_policies_change_what_is_recomputed_not_the_gradient(random_params):
   tokens = jnp.asarray(np.random.default_rng(5).integers(3, 61, (2, 6)), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(6), (2, 6))

@@ -18,6 +18,8 @@ from opdjax.training.loss import LossConfig, per_token_terms
 from opdjax.views.history import ParamsHistory
 from opdjax.views.view import EngineView
 
+pytestmark = pytest.mark.slow  # warm-up training and engine sweeps: the full suite runs them
+
 SP = SamplingParams(max_new_tokens=8)
 # 128 rows: the batched-backward miscompile noted in expected_signals showed only at this batch size.
 PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(3, 40, 1 + i % 5)] for i in range(128)]

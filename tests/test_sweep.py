@@ -51,6 +51,7 @@ def runner(demo_cache):
   return Session(_config(), progress=False)
 
 
+@pytest.mark.slow
 def test_noise_is_seeded_per_run_and_version(runner):
   view = EngineView(noise_sigma=0.1)
   p = runner.student_params
@@ -85,6 +86,7 @@ def test_opd_and_grpo_runs_reuse_one_compiled_step(runner):
   jax.tree.map(np.testing.assert_array_equal, start, jax.tree.map(np.asarray, runner.student_params))
 
 
+@pytest.mark.slow
 def test_grpo_needs_whole_groups_and_a_known_algo(runner):
   odd = Session(_config(group_size=5), progress=False)  # 16 completions are not whole groups of 5
   with pytest.raises(UserError, match="multiple of grpo.group_size"):

@@ -10,6 +10,8 @@ from opdjax.rollout import SamplingParams
 from opdjax.training.loss import LossConfig
 from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
 
+pytestmark = pytest.mark.slow  # every test compiles a train step (10-35 s each on 2 cores): the full suite runs them
+
 
 def _cfg(vocab=48, hidden=32, layers=2):
   return ModelConfig(model_type="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,

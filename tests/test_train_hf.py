@@ -8,6 +8,8 @@ import pytest
 
 from opdjax import cli
 
+pytestmark = pytest.mark.slow  # end-to-end runs on HF folders: the full suite runs them
+
 PROMPT_WORDS = [f"w{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
 VOCAB = 320
 
