@@ -124,6 +124,18 @@ class Clock:
     self.t = now
 
 
+@jax.jit
+def _batch(prompt_tokens, prompt_mask, completion_tokens, completion_mask, rollout_logprobs):
+  """`batch_from_rollout` compiled (a dozen eager ops cost more host time than the step's rollout),
+  on the arrays only: a Rollout's static fields (version, seed) would compile it again every step."""
+  return batch_from_rollout(Rollout(prompt_tokens, prompt_mask, completion_tokens, completion_mask, rollout_logprobs))
+
+
+def rescore_batch(rollout: Rollout):
+  return _batch(rollout.prompt_tokens, rollout.prompt_mask, rollout.completion_tokens, rollout.completion_mask,
+                rollout.rollout_logprobs)
+
+
 class OpdObjective:
   """Re-score the rollout with student and teacher, one jitted step on the OPD loss."""
 
@@ -131,7 +143,7 @@ class OpdObjective:
     self.session, self.step_fn = session, session.train_step("opd")
 
   def prepare(self, rollout: Rollout, refs):
-    return batch_from_rollout(rollout), lambda: self.session.task.score(refs, rollout.completions())
+    return rescore_batch(rollout), lambda: self.session.task.score(refs, rollout.completions())
 
   def __call__(self, state, sample: Sample):
     state, metrics = self.step_fn(state, self.session.teacher_params, sample.inputs)
@@ -150,7 +162,7 @@ class GrpoObjective:
     g = self.session.cfg.grpo
     r = self.grpo.verifier_rewards(self.session.task, refs, rollout.completions())
     adv = self.grpo.group_advantages(jnp.asarray(r), g.group_size, g.normalize_std)
-    return (batch_from_rollout(rollout), adv), lambda: float(r.mean())
+    return (rescore_batch(rollout), adv), lambda: float(r.mean())
 
   def __call__(self, state, sample: Sample):
     batch, adv = sample.inputs
