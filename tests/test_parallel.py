@@ -7,8 +7,11 @@ JAX_NUM_CPU_DEVICES=4, as one process with four devices or as two processes with
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -212,20 +215,185 @@ def assert_same_run(a, b, rel=1e-5, atol=1e-5):
   assert max(float(np.abs(pa[k] - pb[k]).max()) for k in pa) <= atol
 
 
+CKPT = ["--config.train.checkpoint_every=2"]
+
+
 @pytest.fixture(scope="session")
 def single_device_run(demo_cache, tmp_path_factory):
   out = tmp_path_factory.mktemp("single") / "run"
-  p = cli_train(out)
+  p = cli_train(out, *CKPT)
   assert p.returncode == 0, p.stderr[-3000:]
   return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mesh", [("--config.mesh.fsdp=4",), ("--config.mesh.data=2", "--config.mesh.fsdp=2")])
-def test_sharded_training_matches_one_device(single_device_run, tmp_path, mesh):
-  out = tmp_path / "run"
-  p = cli_train(out, *mesh, devices=4)
+@pytest.fixture(scope="session")
+def four_device_run(single_device_run, tmp_path_factory):
+  """1 process x 4 devices, mesh.fsdp=4 (after the single-device run has built the demo models)."""
+  out = tmp_path_factory.mktemp("four") / "run"
+  p = cli_train(out, *CKPT, "--config.mesh.fsdp=4", devices=4)
   assert p.returncode == 0, p.stderr[-3000:]
-  assert "over 4 devices (1 process(es) x 4 cpu)" in p.stderr  # really sharded
+  assert "mesh data=1 fsdp=4 tensor=1 over 4 devices (1 process(es) x 4 cpu)" in p.stderr  # really sharded
+  return out
+
+
+@pytest.mark.slow
+def test_fsdp_training_matches_one_device(single_device_run, four_device_run):
+  assert_same_run(single_device_run, four_device_run)
+  assert len(losses(four_device_run)) == STEPS
+
+
+@pytest.mark.slow
+def test_data_and_fsdp_training_matches_one_device(single_device_run, tmp_path):
+  out = tmp_path / "run"
+  p = cli_train(out, *CKPT, "--config.mesh.data=2", "--config.mesh.fsdp=2", devices=4)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "mesh data=2 fsdp=2 tensor=1 over 4 devices" in p.stderr
   assert_same_run(single_device_run, out)
-  assert len(losses(out)) == STEPS
+
+
+# --- two processes x two devices on localhost (jax.distributed, gloo) ---
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Procs:
+  """`opdjax train` as processes 0..n-1 of one run, output to files; every child is killed at the end."""
+
+  def __init__(self, tmp, out, *extra, n: int = 2, fault: str | None = None, args_of=None):
+    port = free_port()
+    self.logs = [tmp / f"proc{i}.log" for i in range(n)]
+    self.procs = []
+    for i in range(n):
+      env = {"PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "2", **({"OPDJAX_FAULT": fault} if fault and i == 1 else {})}
+      args = [*extra, *(args_of(i) if args_of else ()), "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+              str(n), "--process-id", str(i)]
+      full_env = {k: v for k, v in os.environ.items() if k != "OPDJAX_FAULT"} | env
+      with open(self.logs[i], "w") as log:
+        self.procs.append(subprocess.Popen([sys.executable, "-m", "opdjax.cli", *TRAIN, "--out", str(out), *args],
+                                           cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT))
+
+  def wait(self, timeout: float) -> list[tuple[int, float]]:
+    """(return code, time it ended) of each process; kills them all after `timeout` seconds."""
+    deadline, ended = time.time() + timeout, {}
+    while len(ended) < len(self.procs) and time.time() < deadline:
+      for i, p in enumerate(self.procs):
+        if i not in ended and p.poll() is not None:
+          ended[i] = (p.returncode, time.time())
+      time.sleep(0.2)
+    self.kill()
+    assert len(ended) == len(self.procs), f"processes {sorted(set(range(len(self.procs))) - set(ended))} hung"
+    return [ended[i] for i in range(len(self.procs))]
+
+  def log(self, i: int) -> str:
+    return self.logs[i].read_text()
+
+  def kill(self) -> None:
+    for p in self.procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture(scope="session")
+def two_process_run(four_device_run, tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("two")
+  procs = Procs(tmp, tmp / "run", *CKPT, "--config.mesh.fsdp=4")
+  (rc0, _), (rc1, _) = procs.wait(900)
+  assert rc0 == 0 and rc1 == 0, procs.log(0)[-3000:] + procs.log(1)[-3000:]
+  assert "over 4 devices (2 process(es) x 2 cpu)" in procs.log(0)
+  return tmp / "run", procs
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(single_device_run, four_device_run, two_process_run):
+  out, procs = two_process_run
+  assert_same_run(four_device_run, out)
+  assert_same_run(single_device_run, out)
+  # Process 0 alone writes: every step once in metrics.jsonl, progress only in its log.
+  assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == list(range(STEPS + 1))
+  assert "OPD: step" in procs.log(0) and "OPD: step" not in procs.log(1)
+
+
+def _same_files(a, b):
+  assert (a / "student" / "model.safetensors").read_bytes() == (b / "student" / "model.safetensors").read_bytes()
+  ra = [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"} for line in open(a / "metrics.jsonl")]
+  rb = [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"} for line in open(b / "metrics.jsonl")]
+  assert ra == rb
+
+
+@pytest.mark.slow
+def test_two_process_checkpoint_resumes_in_one_process(two_process_run, tmp_path):
+  from opdjax.models.config import ModelConfig
+  from opdjax.models.hf_io import to_hf
+  from opdjax.pipeline.checkpoint import restore_student
+
+  out, _ = two_process_run
+  # Restored on this process's one device, the 2 x 2-device run's final state is the one it exported.
+  _, params, meta = restore_student(str(out))
+  assert meta["step"] == STEPS
+  exported = student(out)
+  restored = to_hf(params, ModelConfig.from_hf_dict(meta["student_config"]))
+  assert all(np.array_equal(restored[k], exported[k]) for k in exported)
+  # Extended by one process x 4 devices: killed partway and resumed from its last complete checkpoint, it
+  # ends as an uninterrupted one-process continuation of the 2-process checkpoint does, bit for bit.
+  more = [*CKPT, f"--config.train.steps={STEPS + 3}", "--config.mesh.fsdp=4"]
+  a, b = tmp_path / "a", tmp_path / "b"
+  shutil.copytree(out, a)
+  shutil.copytree(out, b)
+  killed = cli_train(a, *more, devices=4, env={"OPDJAX_FAULT": f"step@{STEPS + 3}"})
+  assert killed.returncode == -9, killed.stderr[-2000:]
+  done = max(int(d) for d in os.listdir(a / "checkpoints" / "latest") if d.isdigit())
+  resumed = {run: cli_train(run, *more, devices=4) for run in (a, b)}
+  for p in resumed.values():
+    assert p.returncode == 0, p.stderr[-3000:]
+  assert f"resumed at step {done}, ran to step {STEPS + 3}" in resumed[a].stdout
+  assert f"resumed at step {STEPS}, ran to step {STEPS + 3}" in resumed[b].stdout
+  _same_files(a, b)
+  assert [json.loads(line)["step"] for line in open(a / "metrics.jsonl")] == list(range(STEPS + 4))
+
+
+@pytest.mark.slow
+def test_a_killed_process_stops_the_other_and_the_last_checkpoint_restores(demo_cache, four_device_run, tmp_path):
+  out = tmp_path / "run"
+  procs = Procs(tmp_path, out, "--config.train.steps=6", "--config.train.checkpoint_every=1", "--config.mesh.fsdp=4",
+                fault="step@4")
+  (rc0, t0), (rc1, t1) = procs.wait(900)
+  assert rc1 == -9  # SIGKILLed after dispatching step 4
+  assert rc0 == 3 and t0 - t1 < 60, (rc0, t0 - t1, procs.log(0)[-3000:])  # no hang: out within a bounded time
+  assert "opdjax: error: process 1 of 2 stopped" in procs.log(0)
+  done = sorted(int(d) for d in os.listdir(out / "checkpoints" / "latest") if d.isdigit())
+  assert done and done[-1] < 4
+  p = cli_train(out, "--config.train.steps=6", "--config.train.checkpoint_every=1", "--config.mesh.fsdp=4", devices=4)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert f"resumed at step {done[-1]}, ran to step 6" in p.stdout
+  assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == list(range(7))
+
+
+@pytest.mark.slow
+def test_processes_with_different_configs_name_the_key(tmp_path):
+  procs = Procs(tmp_path, tmp_path / "run", "--config.mesh.fsdp=4",
+                args_of=lambda i: [f"--config.optim.learning_rate={0.001 * (i + 1)}"])
+  for i, (rc, _) in enumerate(procs.wait(300)):
+    assert rc == 2, procs.log(i)[-2000:]
+    assert "config key optim.learning_rate differs across processes" in procs.log(i)
+  assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_unreachable_coordinator_is_one_clear_error_after_a_bounded_wait(tmp_path):
+  t = time.time()
+  p = cli_train(tmp_path / "run", "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2",
+                "--process-id", "1", "--coordinator-timeout", "3", devices=2, timeout=120)
+  assert p.returncode == 3, p.stderr[-2000:]
+  assert "could not join the 2 processes through the coordinator at 127.0.0.1" in p.stderr
+  assert "Nothing answers there" in p.stderr and "Check failure" not in p.stderr
+  assert time.time() - t < 60
+
+
+def test_multiprocess_flags_go_together(capsys):
+  from opdjax import cli
+
+  assert cli.main([*TRAIN, "--out", "x", "--coordinator", "127.0.0.1:1234"]) == 2
+  assert "--coordinator HOST:PORT, --num-processes N and --process-id I go together" in capsys.readouterr().err
