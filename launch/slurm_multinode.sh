@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Multi-node OPD on Slurm: N nodes x G GPUs in one allocation. The trainer is JAX's multi-controller
+# runtime (one process per node, or per GPU, joined through a coordinator on the first trainer node);
+# rollouts come from the sharded JAX engine on the trainer's mesh, or from vLLM sidecars on a share of
+# the GPUs. Everything this script starts is stopped when it exits (end of job, error, scancel).
+#
+#   sbatch --nodes=2 --gpus-per-node=8 launch/slurm_multinode.sh CONFIG OUT [--config.key=value ...]
+#   launch/slurm_multinode.sh --dry-run CONFIG OUT [...]   # print the commands, run nothing
+#
+# Layout, from the environment:
+#   TRAINER_PER=node|gpu   one trainer process per node driving all its trainer GPUs (default), or one per GPU
+#   VLLM_NODES=k           the last k nodes run only vLLM sidecars (default 0)
+#   VLLM_GPUS_PER_NODE=g   GPUs per node for sidecars: on the VLLM_NODES (default: all of theirs), or, with
+#                          VLLM_NODES=0, the last g GPUs of every node (default 0: no sidecars)
+#   VLLM_TP=t              tensor-parallel size of each sidecar (default 1): g / t sidecars per node
+#   VLLM_MODEL=DIR         the weights the sidecars start from (default: --config.student.path=... given)
+#   VLLM_PORT=8100         first sidecar port on a node; VLLM_ARGS: more `vllm serve` flags
+#   COORD_PORT=8476        the jax.distributed coordinator's port
+#   GPUS_PER_NODE          default: $SLURM_GPUS_ON_NODE, else 8
+#   NODES                  the node names (default: $SLURM_JOB_NODELIST expanded; for --dry-run: node0 node1 ...)
+#   NUM_NODES              default: $SLURM_JOB_NUM_NODES, else 2 for --dry-run
+# With sidecars the trainer is one process (the vLLM engine lives in it): one trainer node, TRAINER_PER=node.
+# Install once on the cluster: python3 -m venv .venv && . .venv/bin/activate && pip install -e . 'jax[cuda12]' vllm
+#SBATCH --job-name=opdjax-multinode
+#SBATCH --exclusive
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=32
+#SBATCH --time=24:00:00
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+dry=0
+if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
+config=${1:?usage: slurm_multinode.sh [--dry-run] CONFIG OUT_DIR [--config.key=value ...]}
+out=${2:?usage: slurm_multinode.sh [--dry-run] CONFIG OUT_DIR [--config.key=value ...]}
+shift 2
+
+num_nodes=${NUM_NODES:-${SLURM_JOB_NUM_NODES:-$((dry ? 2 : 1))}}
+gpus=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+if [[ -n "${NODES:-}" ]]; then
+  read -r -a nodes <<< "$NODES"
+elif [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+  mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+else
+  nodes=(); for ((i = 0; i < num_nodes; i++)); do nodes+=("node$i"); done
+fi
+num_nodes=${#nodes[@]}
+trainer_per=${TRAINER_PER:-node}
+vllm_nodes=${VLLM_NODES:-0}
+if (( vllm_nodes > 0 )); then vllm_gpus=${VLLM_GPUS_PER_NODE:-$gpus}; else vllm_gpus=${VLLM_GPUS_PER_NODE:-0}; fi
+tp=${VLLM_TP:-1}
+vllm_port=${VLLM_PORT:-8100}
+coord_port=${COORD_PORT:-8476}
+
+die() { echo "slurm_multinode.sh: $*" >&2; exit 2; }
+[[ "$trainer_per" == node || "$trainer_per" == gpu ]] || die "TRAINER_PER=$trainer_per: give node or gpu."
+(( vllm_nodes < num_nodes )) || die "VLLM_NODES=$vllm_nodes leaves no trainer node of $num_nodes."
+(( vllm_gpus <= gpus )) || die "VLLM_GPUS_PER_NODE=$vllm_gpus exceeds the $gpus GPUs of a node."
+(( vllm_gpus % tp == 0 )) || die "VLLM_GPUS_PER_NODE=$vllm_gpus is not a multiple of VLLM_TP=$tp."
+trainer_nodes=("${nodes[@]:0:num_nodes-vllm_nodes}")
+if (( vllm_nodes > 0 )); then
+  sidecar_nodes=("${nodes[@]:num_nodes-vllm_nodes}"); trainer_gpus=$gpus
+else
+  sidecar_nodes=(); (( vllm_gpus > 0 )) && sidecar_nodes=("${trainer_nodes[@]}"); trainer_gpus=$((gpus - vllm_gpus))
+fi
+(( trainer_gpus > 0 )) || die "no GPU is left for the trainer on its nodes."
+if [[ "$trainer_per" == gpu ]]; then per_node=$trainer_gpus; else per_node=1; fi
+nproc=$(( ${#trainer_nodes[@]} * per_node ))
+if (( ${#sidecar_nodes[@]} > 0 && nproc > 1 )); then
+  die "vLLM sidecars need a one-process trainer (the vLLM engine lives in it): use one trainer node with" \
+      "TRAINER_PER=node (e.g. VLLM_NODES=$((num_nodes - 1))), or no sidecars (the sharded JAX engine)."
+fi
+
+# GPUs: the trainer takes the first ones of a node, sidecars the last VLLM_GPUS_PER_NODE.
+trainer_visible=$(seq -s, 0 $((trainer_gpus - 1)))
+first_vllm=$(( vllm_nodes > 0 ? 0 : trainer_gpus ))
+
+model=${VLLM_MODEL:-}
+if [[ -z "$model" ]]; then
+  for a in "$@"; do [[ "$a" == --config.student.path=* ]] && model=${a#--config.student.path=}; done
+fi
+(( ${#sidecar_nodes[@]} == 0 )) || [[ -n "$model" ]] || die "sidecars need VLLM_MODEL=DIR or --config.student.path=DIR."
+
+run() {  # prints the command; runs it (in the background with &) unless --dry-run
+  if (( dry )); then printf '%q ' "$@"; echo; else "$@"; fi
+}
+
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT INT TERM
+
+root=${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
+cd "$root"
+if [[ -f .venv/bin/activate ]]; then . .venv/bin/activate; fi
+
+urls=()
+for node in "${sidecar_nodes[@]}"; do
+  for ((s = 0; s < vllm_gpus / tp; s++)); do
+    devs=$(seq -s, $((first_vllm + s * tp)) $((first_vllm + (s + 1) * tp - 1)))
+    port=$((vllm_port + s))
+    # The flags come from opdjax (VllmServer.command), sized for this config's batch and max_len.
+    read -r -a sidecar < <(python -m opdjax.parallel.launch sidecar --config "$config" --model "$model" --port "$port" \
+                           --tp "$tp" --out "$out" "$@" ${VLLM_ARGS:+--config.rollout.vllm.extra_args="$VLLM_ARGS"})
+    (( ${#sidecar[@]} > 0 )) || die "could not build the sidecar command (see the error above)."
+    cmd=(srun --overlap --nodes=1 --ntasks=1 -w "$node" env CUDA_VISIBLE_DEVICES="$devs" "${sidecar[@]}")
+    if (( dry )); then run "${cmd[@]}"; else "${cmd[@]}" > "$out.vllm-$node-$port.log" 2>&1 & pids+=($!); fi
+    urls+=("http://$node:$port")
+  done
+done
+
+extra=()
+if (( ${#urls[@]} > 0 )); then
+  url_list=$(IFS=,; echo "${urls[*]}")
+  extra+=(--config.rollout.engine=vllm "--config.rollout.vllm.urls=$url_list")
+  if (( ! dry )); then  # every sidecar answers before the trainer starts
+    for u in "${urls[@]}"; do
+      until curl -sf "$u/health" > /dev/null; do
+        for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null || die "a vLLM sidecar exited; see $out.vllm-*.log"; done
+        sleep 5
+      done
+    done
+  fi
+fi
+if (( nproc > 1 )); then
+  extra+=(--coordinator "${trainer_nodes[0]}:$coord_port" --num-processes "$nproc")
+fi
+if [[ " $* " != *" --config.mesh."* ]]; then
+  extra+=(--config.mesh.fsdp=-1)  # the trainer's params, optimizer state and batch over every trainer GPU
+fi
+
+# One srun task per trainer process; each learns its index from SLURM_PROCID (escaped: srun's shell expands it).
+train_cmd=(srun --nodes="${#trainer_nodes[@]}" --ntasks-per-node="$per_node" -w "$(IFS=,; echo "${trainer_nodes[*]}")"
+           bash -c)
+if [[ "$trainer_per" == gpu ]]; then
+  visible='CUDA_VISIBLE_DEVICES=$SLURM_LOCALID'
+else
+  visible="CUDA_VISIBLE_DEVICES=$trainer_visible"
+fi
+inner="cd $(printf '%q' "$root") && . .venv/bin/activate && HF_HUB_OFFLINE=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 $visible"
+inner+=" exec opdjax train --config $(printf '%q' "$config") --out $(printf '%q' "$out")"
+for a in "$@" "${extra[@]}"; do inner+=" $(printf '%q' "$a")"; done
+if (( nproc > 1 )); then inner+=' --process-id $SLURM_PROCID'; fi
+run "${train_cmd[@]}" "$inner"

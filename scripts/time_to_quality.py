@@ -1,0 +1,239 @@
+"""Time to quality: does overlapping sampling with training (and FP8 rollouts) reach the target sooner?
+
+Runs the demo (configs/demo.py) in five configurations, `--seeds` seeds each, on one Session (every
+function compiled once, warmed up before any timed run), the runs of a seed in rotated order:
+
+  sync_fp32      rollout.async_depth=0, clean view (today's loop)
+  async_k1       async_depth=1, exact mode
+  async_k2       async_depth=2, exact mode
+  sync_fp8       async_depth=0, weights=fp8 view
+  async_k1_fp8   async_depth=1, exact mode, weights=fp8 view
+
+On CPU the process gets two host devices (JAX_NUM_CPU_DEVICES=2): the trainer trains on device 0,
+the asynchronous producer samples on device 1, one core each on a 2-core box. Held-out evaluation
+(every --eval-every steps) pauses the producer and its seconds are left out of the wall clock, the
+same way for every configuration; the clock includes everything else (sampling, weight sync, the
+train step, host work).
+
+Writes OUT/time_to_quality.json: per run the curve (step, train wall seconds, held-out accuracy and
+reverse KL), seconds to the accuracy target and to the reverse-KL target, wall seconds at equal
+steps, final quality, process CPU seconds per wall second, the median time split of asynchronous
+runs; per configuration medians over seeds and whether its final quality is within the seed
+tolerance of sync_fp32 (the calibration's rule: max(tolerance_sigmas * std * sqrt(2 / seeds),
+tolerance_rel * |median|)); and `speedup_async_k1` = median over seeds of sync_fp32 seconds-to-target
+/ async_k1 seconds-to-target (accuracy target), the same for the other configurations. Plus
+OUT/time_to_quality.png: quality vs wall clock, one curve per configuration (median over seeds).
+
+  python scripts/time_to_quality.py --out runs/ttq [--seeds 3] [--steps 800] [--eval-every 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "2")  # before JAX starts: a host device a side
+
+import numpy as np  # noqa: E402
+
+CONFIGS = {  # name: (rollout view, async depth)
+    "sync_fp32": ("clean", 0),
+    "async_k1": ("clean", 1),
+    "async_k2": ("clean", 2),
+    "sync_fp8": ("weights=fp8", 0),
+    "async_k1_fp8": ("weights=fp8", 1),
+}
+SPLIT = ("time_generate_s", "time_weight_sync_s", "time_prepare_s", "time_queue_wait_s", "time_producer_wait_s",
+         "time_train_s", "idle_trainer_frac", "idle_producer_frac")
+
+
+class Curve:
+  """Held-out quality against the wall clock with evaluation left out (a loop hook)."""
+
+  def __init__(self):
+    self.points = []
+
+  def start(self, loop):
+    self.cpu0 = time.process_time()
+
+  def record(self, loop, rec):
+    if rec.get("eval_step") == rec["step"] or rec["step"] == 0:  # later records repeat the last evaluation
+      wall = time.time() - loop.t0 - loop.eval_s
+      self.points.append({"step": rec["step"], "wall_s": round(wall, 3), "accuracy": rec["accuracy"],
+                          "reverse_kl": rec["reverse_kl"]})
+
+  def end(self, loop):
+    self.cpu_s = time.process_time() - self.cpu0
+
+  def __getattr__(self, name):  # the other Hook methods: nothing to do
+    if name in ("ready", "after_step", "phase", "close"):
+      return lambda *a: None
+    raise AttributeError(name)
+
+
+def first_reaching(points, key, target, better):
+  for p in points:
+    if better(p[key], target):
+      return p["wall_s"]
+  return None
+
+
+def run_one(session, name, seed, steps, eval_every, targets):
+  from opdjax.pipeline.hooks import EvalHook
+  from opdjax.pipeline.loop import run_loop
+  from opdjax.views.view import EngineView
+
+  spec, depth = CONFIGS[name]
+  curve = Curve()
+  load0 = os.getloadavg()[0]
+  w0 = time.time()
+  loop = run_loop(session, view=EngineView.parse(spec), seed=seed, steps=steps,
+                  hooks=[EvalHook(eval_every, pause=True), curve], async_depth=depth, async_mode="exact")
+  wall_total = time.time() - w0
+  recs, pts = loop.records, curve.points
+  final = recs[-1]
+  out = {
+      "config": name, "seed": seed, "view": spec, "async_depth": depth, "curve": pts,
+      "seconds_to_accuracy": first_reaching(pts, "accuracy", targets["accuracy"], lambda v, t: v >= t),
+      "seconds_to_reverse_kl": first_reaching(pts, "reverse_kl", targets["reverse_kl"], lambda v, t: v <= t),
+      "wall_s_at_equal_steps": pts[-1]["wall_s"], "steps": steps,
+      "final_accuracy": final["accuracy"], "final_reverse_kl": final["reverse_kl"],
+      "eval_s": round(loop.eval_s, 3), "process_cpu_per_wall": round(curve.cpu_s / max(wall_total, 1e-9), 3),
+      "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
+  }
+  timed = [r for r in recs[1:] if "time_train_s" in r]
+  if timed:
+    out["time_split_median"] = {k: float(np.median([r[k] for r in timed])) for k in SPLIT if k in timed[0]}
+    out["params_lag_mean"] = float(np.mean([r["params_lag"] for r in recs[1:]]))
+  return out
+
+
+def summarize(runs, seeds, cfg):
+  by = {name: [r for r in runs if r["config"] == name] for name in CONFIGS}
+  by = {k: v for k, v in by.items() if v}
+  c = cfg.calibrate
+  out = {"configs": {}}
+  base = by.get("sync_fp32")
+  for name, rs in by.items():
+    s = {"view": rs[0]["view"], "async_depth": rs[0]["async_depth"]}
+    for key in ("seconds_to_accuracy", "seconds_to_reverse_kl", "wall_s_at_equal_steps", "final_accuracy",
+                "final_reverse_kl"):
+      vals = [r[key] for r in rs]
+      s[key] = None if any(v is None for v in vals) else float(np.median(vals))
+      s[key + "_seeds"] = vals
+    if base:
+      s["seconds_per_step_ratio_vs_sync_fp32"] = (
+          float(np.median([b["wall_s_at_equal_steps"] / r["wall_s_at_equal_steps"] for b, r in zip(base, rs)])))
+      s["quality_within_tolerance_of_sync_fp32"] = {}
+      for m, sign in (("final_accuracy", -1), ("final_reverse_kl", +1)):
+        ref = [b[m] for b in base]
+        tol = max(c.tolerance_sigmas * float(np.std(ref, ddof=1)) * np.sqrt(2.0 / len(ref)) if len(ref) > 1 else 0.0,
+                  c.tolerance_rel * abs(float(np.median(ref))))
+        loss = sign * (float(np.median([r[m] for r in rs])) - float(np.median(ref)))
+        s["quality_within_tolerance_of_sync_fp32"][m] = {"loss": loss, "tolerance": tol, "within": loss <= tol}
+    out["configs"][name] = s
+
+  def speedup(a, b, key="seconds_to_accuracy"):
+    """Median over seeds of a's seconds-to-target / b's. A run that never reached the target counts
+    with its whole wall clock, a bound on its time to target, and the ratio is then a bound: `bound`
+    says which way ('>=' when only a missed it, '<=' when only b did; None: every ratio exact)."""
+    if a not in by or b not in by:
+      return None
+    ratios, kinds = [], set()
+    for x, y in zip(by[a], by[b]):
+      if x[key] is None and y[key] is None:
+        continue
+      ratios.append((x[key] or x["wall_s_at_equal_steps"]) / (y[key] or y["wall_s_at_equal_steps"]))
+      kinds.add(">=" if x[key] is None else "<=" if y[key] is None else "=")
+    if not ratios:
+      return None
+    kinds.discard("=")
+    return {"median": float(np.median(ratios)), "seeds": ratios, "bound": "/".join(sorted(kinds)) or None}
+
+  pairs = {"async_k1": ("sync_fp32", "async_k1"), "async_k2": ("sync_fp32", "async_k2"),
+           "sync_fp8": ("sync_fp32", "sync_fp8"), "async_k1_fp8": ("sync_fp32", "async_k1_fp8"),
+           "async_k1_fp8_vs_sync_fp8": ("sync_fp8", "async_k1_fp8")}
+  for name, (a, b) in pairs.items():
+    s = speedup(a, b)
+    out[f"speedup_{name}"] = None if s is None else s["median"]
+    out[f"speedup_{name}_detail"] = s
+    out[f"speedup_{name}_reverse_kl"] = speedup(a, b, "seconds_to_reverse_kl")
+    if a in by and b in by:  # throughput alone: wall seconds at equal steps
+      out[f"steps_speedup_{name}"] = float(np.median([x["wall_s_at_equal_steps"] / y["wall_s_at_equal_steps"]
+                                                      for x, y in zip(by[a], by[b])]))
+  out["reached_accuracy_target"] = {n: sum(r["seconds_to_accuracy"] is not None for r in rs) for n, rs in by.items()}
+  return out
+
+
+def plot(runs, path):
+  from opdjax.analyses import reporting
+
+  fig, axes = reporting.figure(1, 2, figsize=(11, 4))
+  names = list(dict.fromkeys(r["config"] for r in runs))
+  for i, name in enumerate(names):
+    rs = [r for r in runs if r["config"] == name]
+    n = min(len(r["curve"]) for r in rs)
+    wall = np.median([[p["wall_s"] for p in r["curve"][:n]] for r in rs], axis=0)
+    for ax, key in zip(axes, ("accuracy", "reverse_kl")):
+      ax.plot(wall, np.median([[p[key] for p in r["curve"][:n]] for r in rs], axis=0), color=f"C{i}", label=name)
+  for ax, key in zip(axes, ("accuracy", "reverse_kl")):
+    ax.set_xlabel("wall clock, held-out evaluation left out (s)")
+    ax.set_ylabel(f"held-out {key} (median of seeds)")
+    if key == "reverse_kl":
+      ax.set_yscale("log")
+    ax.legend(fontsize=8)
+  return reporting.save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--config", default="configs/demo.py")
+  p.add_argument("--seeds", type=int, default=3)
+  p.add_argument("--steps", type=int, default=0, help="default: the config's train.steps")
+  p.add_argument("--eval-every", type=int, default=20)
+  p.add_argument("--target-accuracy", type=float, default=0.95)
+  p.add_argument("--target-reverse-kl", type=float, default=0.1)
+  p.add_argument("--configs", default=",".join(CONFIGS))
+  p.add_argument("--warmup-steps", type=int, default=4)
+  args = p.parse_args(argv)
+
+  from opdjax.analyses import reporting
+  from opdjax.config.loader import load_config_file
+  from opdjax.config.schema import build
+  from opdjax.pipeline.session import Session
+
+  names = [n.strip() for n in args.configs.split(",")]
+  unknown = [n for n in names if n not in CONFIGS]
+  if unknown:
+    p.error(f"unknown configuration {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
+  cfg = build(load_config_file(args.config))
+  steps = args.steps or cfg.train.steps
+  session = Session(cfg, None, progress=False)
+  targets = {"accuracy": args.target_accuracy, "reverse_kl": args.target_reverse_kl}
+  for name in names:  # compile everything (both devices) before any timed run
+    run_one(session, name, cfg.seed, args.warmup_steps, args.eval_every, targets)
+  runs = []
+  for s in range(args.seeds):
+    order = names[s % len(names):] + names[:s % len(names)]  # load drifts: no configuration always first
+    for name in order:
+      r = run_one(session, name, cfg.seed + s, steps, args.eval_every, targets)
+      runs.append(r)
+      print(f"{name} seed {cfg.seed + s}: to accuracy {args.target_accuracy}: {r['seconds_to_accuracy']} s,"
+            f" {steps} steps {r['wall_s_at_equal_steps']:.1f} s, final accuracy {r['final_accuracy']:.3f},"
+            f" cpu/wall {r['process_cpu_per_wall']}, load {r['loadavg_1min']}", file=sys.stderr, flush=True)
+  session.close()
+  result = {"targets": targets, "steps": steps, "seeds": args.seeds, "eval_every": args.eval_every,
+            "config": args.config, "cpu_count": os.cpu_count(), "runs": runs, **summarize(runs, args.seeds, cfg)}
+  os.makedirs(args.out, exist_ok=True)
+  reporting.write_json(os.path.join(args.out, "time_to_quality.json"), result)
+  plot(runs, os.path.join(args.out, "time_to_quality.png"))
+  print(f"speedup_async_k1 {result['speedup_async_k1']}; speedup_async_k1_fp8 {result['speedup_async_k1_fp8']};"
+        f" wrote {args.out}/time_to_quality.json and .png")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
