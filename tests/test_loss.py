@@ -286,6 +286,7 @@ def test_masked_positions_change_nothing(kind):
   assert abs(float(c) - float(a)) > 1e-4
 
 
+@pytest.mark.slow
 def test_chunked_over_positions_is_chunk_size_independent():
   rng = np.random.default_rng(5)
   length, d = 7, 5
@@ -319,6 +320,7 @@ def test_chunked_over_positions_is_chunk_size_independent():
       np.testing.assert_allclose(g, rg, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_opd_loss_same_for_any_chunk(random_params):
   # IS weights on a full-distribution term: both the logits and the trainer log-probs go through chunks.
   cfg = LossConfig(kind="full_rkl", is_correction="tis", is_threshold=1.2)

@@ -51,6 +51,7 @@ def test_sampled_metrics_against_numpy():
   assert 0 < m["ess_tok"] < 1
 
 
+@pytest.mark.slow
 def test_k3_estimate_converges_to_exact_kl():
   """Sampling tokens from the rollout distribution q, mean k3 -> KL(q || p)."""
   rng = np.random.default_rng(1)
@@ -69,6 +70,7 @@ def test_k3_estimate_converges_to_exact_kl():
 
 # --- perturbations -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_patterns_select_by_path_and_typos_are_errors():
   _, params = _model()
   assert perturb.match("layers.1.mlp.*", params) == [f"layers.1.mlp.{n}" for n in ("down_proj", "gate_proj", "up_proj")]
@@ -157,6 +159,7 @@ def test_zero_activation_row_survives_w8a8(act):
   assert float(jnp.min(jnp.abs(y[0]))) > 0
 
 
+@pytest.mark.slow
 def test_recipe_keeps_norms_out_of_fp8_and_respects_order():
   _, params = _model()
   out = perturb.apply_recipe(params, [("layers.0.*", "bf16"), ("*", "fp8_e4m3:channel")])
@@ -170,6 +173,7 @@ def test_recipe_keeps_norms_out_of_fp8_and_respects_order():
   assert ("layers.0.*", "bf16") in preset and ("layers.3.*", "bf16") in preset and ("layers.1.*", "bf16") not in preset
 
 
+@pytest.mark.slow
 def test_preset_on_a_tied_model_quantizes_the_shared_embedding_once_in_bf16():
   cfg = ModelConfig(model_type="llama", vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3,
                     num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
@@ -184,6 +188,7 @@ def test_preset_on_a_tied_model_quantizes_the_shared_embedding_once_in_bf16():
     perturb.apply_recipe(params, [("lm_hea", "bf16")])
 
 
+@pytest.mark.slow
 def test_noise_is_seeded_relative_and_selective():
   _, params = _model()
   a = perturb.add_weight_noise(params, jax.random.key(0), 0.1)
@@ -212,6 +217,7 @@ def _three_layers():
   return {**params, "layers": layers}
 
 
+@pytest.mark.slow
 def test_stacked_leaves_are_addressed_per_layer():
   params = _three_layers()
   leaves = {(m, n): x.shape for m, n, x in perturb.named_leaves(params)}
@@ -222,6 +228,7 @@ def test_stacked_leaves_are_addressed_per_layer():
   assert [(m, n, x.shape) for m, n, x in abstract] == [(m, n, x.shape) for m, n, x in perturb.named_leaves(params)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["fp8_e4m3:tensor", "fp8_e5m2:channel", "int8:block", "int8:tensor"])
 def test_per_layer_recipe_quantizes_exactly_that_layer(spec):
   params = _three_layers()
@@ -253,6 +260,7 @@ def test_per_layer_recipe_quantizes_exactly_that_layer(spec):
       np.testing.assert_array_equal(np.asarray(y[1]), np.asarray(x[1].astype(jnp.bfloat16).astype(jnp.float32)))
 
 
+@pytest.mark.slow
 def test_noise_per_layer_is_independent_of_the_selection():
   params = _three_layers()
   key = jax.random.key(7)
@@ -290,6 +298,7 @@ def _view_rollout(view, model, params):
 
 @pytest.mark.parametrize("spec", ["clean", "weights=fp8,kv_quant=fp8_e4m3,noise_sigma=0.05,compute_dtype=bfloat16",
                                   "kv_quant=fp8_e5m2,kv_scale=static"])
+@pytest.mark.slow
 def test_view_rescoring_reproduces_the_engine(spec):
   """A full forward with the view's model and params gives the engine's own log-probs."""
   model, params = _model()
@@ -388,6 +397,7 @@ def test_mismatch_cli_table_and_attribution(demo_cache, tmp_path, capsys):
   assert "attribution of exact KL" in printed and "kl_k3_tok" in printed
 
 
+@pytest.mark.slow
 def test_packed_fp8_engine_matches_fake_quant_and_stores_fp8():
   """Real fp8 storage + on-the-fly dequantization gives the fake-quant engine's exact rollout."""
   model, params = _model()
@@ -405,6 +415,7 @@ def test_packed_fp8_engine_matches_fake_quant_and_stores_fp8():
   np.testing.assert_allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_w8a8_view_is_reproduced_by_rescoring_and_adds_mismatch():
   model, params = _model()
   w8a8 = EngineView.parse("weights=int8,act_quant=int8")

@@ -109,6 +109,7 @@ def assert_parity(a, b, mask):
   assert np.std(a[mask.astype(bool)], axis=-1).min() > 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_load_hf_matches_transformers(name, make_hf_model):
   spec = CASES[name]
@@ -200,6 +201,7 @@ def test_save_refuses_non_empty_folder_and_leaves_it_untouched(tmp_path, random_
     assert json.load(f)["model_type"] == "qwen2"
 
 
+@pytest.mark.slow
 def test_kv_cache_decode_matches_full_forward(random_params):
   """Prefill 3 tokens, then decode the rest one at a time; logits equal one full pass."""
   cfg = expected_config(CASES["qwen3-headdim6-bias-tied-mha"]).replace(num_kv_heads=2)
@@ -276,6 +278,7 @@ def _scan_cfg(layers):
   return expected_config(CASES["qwen3-headdim6-bias-tied-mha"]).replace(num_layers=layers, num_kv_heads=2)
 
 
+@pytest.mark.slow
 def test_scanned_layers_equal_the_layers_applied_one_by_one(random_params):
   """The scan over stacked params is the unrolled loop: layer i's slice applied to layer i - 1's output."""
   from opdjax.models.decoder import DecoderLayer

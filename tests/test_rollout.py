@@ -67,6 +67,7 @@ def top_p_keep(z, top_p):
   return keep
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [GREEDY, TEMP1], ids=["greedy", "temperature1"])
 def test_rollout_logprobs_match_rescoring(sp, engine, params, score, greedy):
   r = greedy if sp is GREEDY else engine.generate(PROMPTS, sp, seed=1)
@@ -77,6 +78,7 @@ def test_rollout_logprobs_match_rescoring(sp, engine, params, score, greedy):
   assert lps.max() < -1e-3 and np.ptp(lps) > 0.1  # informative, not a point mass
 
 
+@pytest.mark.slow
 def test_truncated_sampling_reports_renormalised_logprobs(engine, params, score, logits_fn):
   r = engine.generate(PROMPTS, TRUNCATED, seed=2)
   lps = np.asarray(r.rollout_logprobs)
@@ -110,6 +112,7 @@ def test_seed_fixes_the_rollout(engine):
   assert np.mean(np.asarray(a.completion_tokens) != np.asarray(c.completion_tokens)) > 0.3
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_each_prompt_alone(engine, greedy):
   rows = np.asarray(greedy.completion_tokens)
   assert len({tuple(row) for row in rows}) == len(PROMPTS)  # distinct prompts, distinct completions
@@ -125,6 +128,7 @@ def test_greedy_is_argmax_of_the_model(greedy, params, logits_fn):
   np.testing.assert_array_equal(np.asarray(greedy.completion_tokens), logits.argmax(-1))
 
 
+@pytest.mark.slow
 def test_eos_stops_a_row(model, params, greedy, score, check_eos_stop):
   base = np.asarray(greedy.completion_tokens)
   # EOS := the first token of row 0 that row 0 has not emitted before, after step 0.
@@ -136,6 +140,7 @@ def test_eos_stops_a_row(model, params, greedy, score, check_eos_stop):
   np.testing.assert_allclose(np.asarray(r.rollout_logprobs)[mask], score(params, r)[mask], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_top_k_1_is_greedy(engine, greedy):
   r = engine.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, temperature=1.0, top_k=1), seed=5)
   np.testing.assert_array_equal(np.asarray(r.completion_tokens), np.asarray(greedy.completion_tokens))
@@ -167,6 +172,7 @@ def test_params_version_follows_sync(engine, model, params, random_params, score
   assert engine.generate([PROMPTS[0]], GREEDY, seed=0).params_version == 1
 
 
+@pytest.mark.slow
 def test_sampled_token_frequencies_match_the_distribution(engine, params, logits_fn):
   rows = 4000
   prompt = PROMPTS[1]

@@ -68,6 +68,7 @@ def qwen3_tied(random_params):
 
 # --- perturbations stay where they are put ------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("perturbation", ["fp8_e4m3:channel", "int8:channel", "noise:0.1"])
 def test_one_layer_perturbed_leaves_every_other_layer_bit_identical(llama, perturbation):
   _, params, _ = llama
@@ -94,6 +95,7 @@ def test_one_kind_perturbed_touches_only_that_projection(llama):
 
 # --- scoring ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_scorer_is_the_exact_kl_of_mismatch(llama):
   """Same tokens, same formula as `mismatch.exact_kl` (temperature 0.8 on both sides)."""
   model, params, scorer = llama
@@ -108,6 +110,7 @@ def test_scorer_is_the_exact_kl_of_mismatch(llama):
   assert scorer.kl(pp, params) != got  # the output-projection params are used
 
 
+@pytest.mark.slow
 def test_sweep_compiles_once(llama):
   model, params, scorer = llama
   key = jax.random.key(1)
@@ -157,6 +160,7 @@ def test_edge_layers_are_the_presets_and_rows_make_an_engine_view():
 
 # --- the analysis on tiny models -----------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture,sensitive", [("llama", 1), ("qwen3_tied", 2)])
 def test_recipe_keeps_the_sensitive_layer_and_beats_same_memory_choices(request, fixture, sensitive):
   """Llama-style and Qwen3-style (tied embeddings) models, each with a different deliberately sensitive
