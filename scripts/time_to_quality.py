@@ -132,7 +132,7 @@ def summarize(runs, seeds, cfg):
         tol = max(c.tolerance_sigmas * float(np.std(ref, ddof=1)) * np.sqrt(2.0 / len(ref)) if len(ref) > 1 else 0.0,
                   c.tolerance_rel * abs(float(np.median(ref))))
         loss = sign * (float(np.median([r[m] for r in rs])) - float(np.median(ref)))
-        s["quality_within_tolerance_of_sync_fp32"][m] = {"loss": loss, "tolerance": tol, "within": loss <= tol}
+        s["quality_within_tolerance_of_sync_fp32"][m] = {"loss": loss, "tolerance": tol, "within": bool(loss <= tol)}
     out["configs"][name] = s
 
   def speedup(a, b, key="seconds_to_accuracy"):
