@@ -191,12 +191,21 @@ def calibrate(cfg: Config, out_dir: str, progress: bool = True) -> dict:
 
 
 def plot_budget(budget: dict, path: str, candidates: list[dict] | None = None) -> str:
+  """Quality vs mismatch of the calibration points (one panel per metric) and, when given, a panel
+  of the candidates: one row each, its interval as a bar and its name as the row label, so
+  intervals near zero and their labels stay readable (values below the floor are drawn at it)."""
   metrics = budget["fit"]["metrics"]
-  fig, axes = reporting.figure(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+  cands = candidates or []
+  positive = [v for p in budget["points"] for v in (p["mismatch"],) if v > 0]
+  positive += [v for c in cands for v in (c["ci_low"], c["mismatch"]) if v > 0]
+  floor = max(min(positive) / 10, 1e-9) if positive else 1e-9
+  rows = 2 if cands else 1
+  fig, axes = reporting.figure(rows, len(metrics), figsize=(5.5 * len(metrics), 4 + 0.35 * len(cands) * (rows - 1)),
+                               squeeze=False, sharex="col",
+                               gridspec_kw={"height_ratios": [4, max(1.0, 0.35 * len(cands))]} if cands else None)
   markers = {"clean": "s", "noise": "o", "lag": "^", "weights": "D", "kv_cache": "v"}
-  floor = max(min(p["mismatch"] for p in budget["points"] if p["mismatch"] > 0) / 10, 1e-9) \
-      if any(p["mismatch"] > 0 for p in budget["points"]) else 1e-9
-  for ax, m in zip(axes[0], metrics):
+  for col, m in enumerate(metrics):
+    ax = axes[0][col]
     for p in budget["points"]:
       x = max(p["mismatch"], floor)
       color = "tab:green" if p["pass"] else "tab:red"
@@ -207,18 +216,24 @@ def plot_budget(budget: dict, path: str, candidates: list[dict] | None = None) -
     tol = budget["fit"]["tolerance"][m]
     ax.axhline(clean + QUALITY[m] * tol, color="gray", ls=":", label="tolerance")
     ax.axvline(max(budget["budget"], floor), color="black", ls="--", label=f"budget {budget['budget']:.3g}")
-    for c in candidates or []:
-      ax.axvspan(max(c["ci_low"], floor), max(c["ci_high"], floor), ymin=0, ymax=0.04,
-                 color="tab:blue" if c["verdict"] == "accept" else "tab:orange", alpha=0.7)
-      ax.annotate(c["name"], (max(c["mismatch"], floor), ax.get_ylim()[0]), fontsize=6, rotation=90,
-                  xytext=(0, 12), textcoords="offset points",
-                  color="tab:blue" if c["verdict"] == "accept" else "tab:orange")
     ax.set_xscale("log")
-    ax.set_xlabel("mismatch: exact KL(engine || trainer) per token")
     ax.set_ylabel(f"final held-out {m}\n(median of seeds; dots: each seed)", fontsize=8)
     if m == "reverse_kl":
       ax.set_yscale("log")
     ax.legend(fontsize=7)
+    if cands:
+      cax = axes[1][col]
+      for i, c in enumerate(cands):
+        color = "tab:blue" if c["verdict"] == "accept" else "tab:orange"
+        lo, mid, hi = (max(c[k], floor) for k in ("ci_low", "mismatch", "ci_high"))
+        cax.plot([lo, hi], [i, i], color=color, lw=4, solid_capstyle="butt")
+        cax.plot([mid], [i], "k|", ms=10)
+      cax.axvline(max(budget["budget"], floor), color="black", ls="--")
+      cax.set_yticks(range(len(cands)), [f"{c['name']} ({c['verdict']})" for c in cands], fontsize=7)
+      cax.set_ylim(-0.7, len(cands) - 0.3)
+      cax.set_xlabel("exact KL(engine || trainer) per token; bars: 95% intervals", fontsize=8)
+    else:
+      ax.set_xlabel("mismatch: exact KL(engine || trainer) per token")
   return reporting.save_figure(fig, path)
 
 
