@@ -1,8 +1,9 @@
 """vLLM behind the `RolloutEngine` protocol: weight sync, request mapping, rollout assembly.
 
 Weight sync writes the params as an HF folder (`save_hf_params`, fp32), a fresh folder for every
-sync, and has vLLM `reload_weights(weights_path=...)` in place, then resets its prefix cache
-(cached KV blocks were computed with the old weights). The params arrive already fake-quantized,
+sync (in shared memory, /dev/shm, when the engine started its server), and has vLLM pause (letting
+requests in flight finish), `reload_weights(weights_path=...)` in place, reset its prefix cache
+(cached KV blocks were computed with the old weights) and resume. The params arrive already fake-quantized,
 noised or lagged (`capabilities`); vLLM's own precision is its `--dtype` / `--quantization` /
 `--kv-cache-dtype`.
 
@@ -218,6 +219,8 @@ class VllmEngine(VllmEngineBase):
       raise
     self.max_restarts = max_restarts
     self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="opdjax-vllm")
+    if self._owns_server and _fits_in_shm(self._server.model):  # a local server: weights through shared memory
+      export_dir = "/dev/shm"
     super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info)
 
   @property
@@ -244,12 +247,33 @@ class VllmEngine(VllmEngineBase):
 
   def _reload(self, path: str) -> None:
     try:
-      self.client.reload(path)
+      # pause -> load -> reset prefix cache -> resume: a request another client has in flight finishes
+      # on the old weights before the load ("wait") instead of on a mix of both.
+      paused = self._control("/pause?mode=wait")
+      try:
+        self.client.reload(path)  # reload_weights, then reset_prefix_cache (stale KV blocks)
+      finally:
+        if paused:
+          self._control("/resume")
     except ServerDown as e:
       if self._server is None or self.max_restarts < 1:
         raise VllmError(self._down_message(e)) from e
       log.warning("vLLM server died during weight sync (%s); restarting it from %s", e, path)
       self._restart(path)
+
+  def _control(self, route: str) -> bool:
+    """POST a generation-control route (vLLM's dev-mode RL routes); False where the server has none."""
+    from opdjax.rollout.vllm.client import error_message, http_json
+
+    try:
+      status, payload = http_json(self.url + route, {}, timeout=self.client.request_timeout_s)
+    except OSError as e:
+      raise ServerDown(f"{type(e).__name__}: {e}") from e
+    if status == 404:
+      return False  # an older vLLM: nothing to pause, weights load between our batches anyway
+    if status != 200:
+      raise VllmError(f"POST {self.url}{route} answered HTTP {status}: {error_message(payload)}")
+    return True
 
   def _sample(self, prompts, fields):
     last = None  # the exception line the server died of last time
@@ -291,6 +315,15 @@ def _exception_line(block: str) -> str:
   writing at once ran together."""
   found = _EXCEPTION.findall(block)
   return f"{found[-1][0]}: {found[-1][1].strip()}" if found else ""
+
+
+def _fits_in_shm(model_dir: str) -> bool:
+  """/dev/shm holds two exports of the model folder's size (the new one and the one vLLM still reads)."""
+  if not os.access("/dev/shm", os.W_OK) or not os.path.isdir(model_dir):
+    return False
+  size = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
+             if os.path.isfile(os.path.join(model_dir, f)))
+  return shutil.disk_usage("/dev/shm").free > 3 * size
 
 
 def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: int, batch_size: int,
