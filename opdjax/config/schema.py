@@ -129,9 +129,14 @@ class TeacherConfig(StudentConfig):
 class VllmConfig:
   """rollout.engine='vllm': a vLLM server (started here, or `url` to attach) samples; weights are
   synced every step. quantization / kv_cache_dtype ('fp8') need a GPU. `extra_args`: more
-  `vllm serve` flags, shell-quoted (e.g. '--max-num-seqs 128')."""
+  `vllm serve` flags, shell-quoted (e.g. '--max-num-seqs 128'). Several servers: `urls` (attach,
+  comma-separated) or `num_servers` (started here, `tensor_parallel_size` GPUs each, taken in order
+  from `gpus` when given): prompts are spread across them (opdjax.rollout.vllm.multi)."""
 
   url: str = ""
+  urls: str = ""
+  num_servers: int = 1
+  gpus: str = ""
   dtype: str = "float32"
   quantization: str = ""
   kv_cache_dtype: str = ""
@@ -149,6 +154,19 @@ class VllmConfig:
 
   def check(self):
     _positive("rollout.vllm.tensor_parallel_size", self.tensor_parallel_size)
+    _positive("rollout.vllm.num_servers", self.num_servers)
+    urls = [u for u in self.urls.split(",") if u.strip()]
+    if urls and (self.url or self.num_servers > 1):
+      raise UserError(f"rollout.vllm.urls={self.urls!r} attaches to running servers; leave rollout.vllm.url empty and"
+                      " rollout.vllm.num_servers=1 (it counts servers opdjax starts), or give the one url alone.")
+    if self.url and self.num_servers > 1:
+      raise UserError(f"rollout.vllm.url={self.url!r} with rollout.vllm.num_servers={self.num_servers}: list the"
+                      " running servers in rollout.vllm.urls, or leave url empty to start num_servers here.")
+    gpus = [g for g in self.gpus.split(",") if g.strip()]
+    if gpus and len(gpus) != self.num_servers * self.tensor_parallel_size:
+      need = self.num_servers * self.tensor_parallel_size
+      raise UserError(f"rollout.vllm.gpus={self.gpus!r} lists {len(gpus)} GPUs; {self.num_servers} server(s) x"
+                      f" tensor_parallel_size={self.tensor_parallel_size} need {need}.")
     try:
       shlex.split(self.extra_args)
     except ValueError as e:

@@ -33,7 +33,8 @@ from opdjax.views.view import EngineView
 RESUMABLE = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
              "train.best_metric", "train.tensorboard", "rollout.vllm.url", "rollout.vllm.api_key",
              "rollout.vllm.python", "rollout.vllm.gpu_memory_utilization", "rollout.vllm.cpu_kvcache_gib",
-             "rollout.vllm.enforce_eager", "rollout.vllm.extra_args", "rollout.devices",
+             "rollout.vllm.enforce_eager", "rollout.vllm.extra_args", "rollout.devices", "rollout.vllm.urls",
+             "rollout.vllm.num_servers", "rollout.vllm.gpus",
              "mismatch.", "sensitivity.", "prefix_shift.", "calibrate.", "admit.",
              "mesh.")  # a checkpoint restores into any mesh and process count
 
