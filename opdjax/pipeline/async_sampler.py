@@ -144,6 +144,11 @@ class AsyncSampler:
     if mode not in MODES:
       raise UserError(f"rollout.async_mode={mode!r}; choose one of {', '.join(repr(m) for m in MODES)}.")
     check_group(session.cfg.rollout.batch_size, group)
+    if session.placement.sharded:
+      raise UserError("rollout.async_depth > 0 with a trainer sharded over a device mesh (mesh.*) is not supported"
+                      " yet: the producer samples on one device outside the trainer's and hands it an unsharded"
+                      " batch. Use the one-device mesh (mesh.data=mesh.fsdp=mesh.tensor=1) with async rollouts, or"
+                      " rollout.async_depth=0 on a mesh.")
     self.session, self.seed, self.group, self.prepare = session, seed, group, prepare
     self.mode, self.steps, self.depth = mode, steps, depth
     self.trainer_device = trainer_device or jax.devices()[0]
