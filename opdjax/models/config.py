@@ -14,6 +14,7 @@ from typing import Any
 from opdjax.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
 class UnsupportedModelError(UserError):
@@ -86,8 +87,8 @@ class ModelConfig:
           " and kv_scale in static/per_head.")
     if self.act_quant not in ("none", "fp8_e4m3", "int8"):
       raise UnsupportedModelError(f"act_quant={self.act_quant!r}: choose none, fp8_e4m3 or int8.")
-    if self.attention_impl not in ("auto", "xla", "cudnn"):
-      raise UnsupportedModelError(f"attention_impl={self.attention_impl!r}: choose auto, xla or cudnn.")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise UnsupportedModelError(f"attention_impl={self.attention_impl!r}: choose {', '.join(ATTENTION_IMPLS)}.")
     if self.fp8_matmul and self.act_quant != "fp8_e4m3":
       raise UnsupportedModelError(
           f"fp8_matmul=True multiplies fp8 activations, but act_quant={self.act_quant!r}: set"

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from opdjax.errors import UserError
 from opdjax.models import quant
 from opdjax.models.config import ModelConfig
+from opdjax.parallel.activations import rows as shard_rows
 
 Params = Any
 Cache = dict[str, Any]
@@ -110,7 +111,6 @@ def _dense(features: int, bias: bool, name: str, cfg: ModelConfig, act_quant: bo
 # A decode step attends over the first W cache slots, W the smallest window holding the tokens so
 # far: DECODE_WINDOW, doubling up to the cache size (`decode_windows`).
 DECODE_WINDOW = 512
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 log = logging.getLogger(__name__)
 _noticed: set[str] = set()
@@ -181,14 +181,40 @@ def fused_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_Bx1xTxS, is_causal: bo
                                       implementation="xla")
 
 
+def decode_attention(q_BxKxGxE, k_new_BxKxE, v_new_BxKxE, kv, layer, kv_mask_BxS, index, window: int, dtype):
+  """One new token per row against the cache's first `window` slots, which the step only reads.
+
+  The slots written before this step (`< index`, under the slot mask) and the new token's own key
+  and value (written to slot `index` after the layer scan, outside the window switch, so no branch
+  updates the cache and XLA never copies it) are two blocks of one softmax, merged by their max.
+  Returns `[B, K, G, E]` in `dtype`."""
+  scale = q_BxKxGxE.shape[-1] ** -0.5
+  keys = kv["k"][layer, :, :window].astype(dtype)
+  values = kv["v"][layer, :, :window].astype(dtype)
+  old = kv_mask_BxS[:, :window].astype(bool) & (jnp.arange(window) < index)[None, :]
+  own = jnp.take(kv_mask_BxS, index, axis=1).astype(bool)  # [B]: the new token's slot is unmasked
+  s_old = jnp.einsum("bkge,bske->bkgs", q_BxKxGxE, keys, preferred_element_type=jnp.float32) * scale
+  s_old = jnp.where(old[:, None, None, :], s_old, _NEG_INF)
+  s_own = jnp.einsum("bkge,bke->bkg", q_BxKxGxE, k_new_BxKxE.astype(dtype), preferred_element_type=jnp.float32)
+  s_own = jnp.where(own[:, None, None], s_own * scale, _NEG_INF)
+  m = jnp.maximum(jnp.max(s_old, axis=-1), s_own)
+  # Masked entries get weight 0 explicitly: a row with nothing unmasked has m = _NEG_INF as well.
+  p_old = jnp.where(old[:, None, None, :], jnp.exp(s_old - m[..., None]), 0.0)
+  p_own = jnp.where(own[:, None, None], jnp.exp(s_own - m), 0.0)
+  norm = jnp.sum(p_old, axis=-1) + p_own
+  out = (jnp.einsum("bkgs,bske->bkge", p_old.astype(dtype), values, preferred_element_type=jnp.float32)
+         + p_own[..., None] * v_new_BxKxE.astype(jnp.float32)[:, :, None, :])
+  return (out / jnp.where(norm > 0, norm, 1.0)[..., None]).astype(dtype)
+
+
 def decode_windows(slots: int) -> tuple[int, ...]:
   """The cache prefixes a decode step may attend over: DECODE_WINDOW, doubled until the cache size.
 
   `Model.hidden` picks the smallest that holds the tokens so far (one `lax.switch` per step, outside
-  the layer scan; each branch straight-line code over a static prefix), so a step reads at most
-  twice the filled part of the cache and its cost grows with the tokens so far, not with the
-  preallocated size. A dynamic-length loop over blocks would read exactly the filled part, but a GPU
-  syncs with the host at every iteration of a loop whose trip count is data."""
+  the layer scan; each branch straight-line code over a static prefix that it only reads), so a step
+  reads at most twice the filled part of the cache and its cost grows with the tokens so far, not
+  with the preallocated size. A dynamic-length loop over blocks would read exactly the filled part,
+  but a GPU syncs with the host at every iteration of a loop whose trip count is data."""
   windows = [min(DECODE_WINDOW, slots)]
   while windows[-1] < slots:
     windows.append(min(2 * windows[-1], slots))
@@ -202,10 +228,12 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, attention_mask, kv, layer, index):
     """`kv`: None, or every layer's cache `{"k", "v": [L, B, S, K, E]}`; this layer's slice is `layer`.
+    Returns `(out, kv, new)`.
 
-    Without a cache (training, scoring): fused causal attention over the T tokens. With a cache, the
-    new tokens attend over the first `window` slots (a decode step's window, `decode_windows`; the
-    whole cache for a prefill) under the slot mask."""
+    Without a cache (training, scoring): fused causal attention over the T tokens. With a cache and
+    several new tokens (a prefill): they are written into the cache and attend over all of it under
+    the slot mask. One new token (a decode step): it attends over the cache's first `window` slots
+    and itself, leaving the cache as it is; `new` is its `(key, value)` for the caller to write."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     b, t, _ = x_BxTxD.shape
@@ -221,29 +249,29 @@ class Attention(nn.Module):
     if cfg.kv_quant != "none":
       kk, v = kv_fake_quant(kk, cfg), kv_fake_quant(v, cfg)
     q, kk, v = q.astype(dt), kk.astype(dt), v.astype(dt)
-    # One query per row (decode) is a matrix-vector product XLA fuses; cuDNN's kernels are for prefill.
-    impl = attention_backend(cfg.attention_impl, dt, e, _platform()) if t > 1 else "xla"
+    new = None
 
     if kv is None:
       # cuDNN wants the mask as a [B, 1, T, S] bias; is_causal lets it skip the upper triangle.
       key_mask = jnp.broadcast_to(attention_mask[:, None, None, :].astype(bool), (b, 1, t, t))
-      out = fused_attention(q, kk, v, key_mask, True, impl)
+      out = fused_attention(q, kk, v, key_mask, True, attention_backend(cfg.attention_impl, dt, e, _platform()))
+    elif t == 1:
+      # Rounded as the cache stores them, so the step sees what later steps will read back.
+      new = (kk[:, 0].astype(kv["k"].dtype), v[:, 0].astype(kv["v"].dtype))
+      out = decode_attention(q.reshape(b, k, h // k, e), *new, kv, layer, attention_mask, index,
+                             self.window or kv["k"].shape[2], dt)
     else:
-      # Only the new tokens are written, into the stacked cache the scan carries, so a decode
-      # step updates the cache in place instead of copying a layer's slice out and back.
+      # Only the new tokens are written, into the stacked cache the scan carries, so a prefill
+      # updates the cache in place instead of copying a layer's slice out and back.
       at = (layer, 0, index, 0, 0)
       kv = {"k": jax.lax.dynamic_update_slice(kv["k"], kk[None].astype(kv["k"].dtype), at),
             "v": jax.lax.dynamic_update_slice(kv["v"], v[None].astype(kv["v"].dtype), at)}
-      s = self.window or kv["k"].shape[2]
-      slot = jnp.arange(s)
-      written_BxS = attention_mask[:, :s].astype(bool) & (slot < index + t)[None, :]
-      mask = ((index + jnp.arange(t))[:, None] >= slot[None, :])[None, None] & written_BxS[:, None, None, :]
-      # Slots not yet written may hold anything (a donated cache keeps the last call's values, NaN
-      # after a diverged run): zeroed, as a masked NaN still turns the softmax into NaN.
-      keys, values = (jnp.where(written_BxS[:, :, None, None], kv[n][layer, :, :s], 0).astype(dt) for n in "kv")
-      out = fused_attention(q, keys, values, mask, False, impl)
+      causal_TxS = (index + jnp.arange(t))[:, None] >= jnp.arange(kv["k"].shape[2])[None, :]
+      mask = causal_TxS[None, None] & attention_mask[:, None, None, :].astype(bool)
+      out = fused_attention(q, kv["k"][layer].astype(dt), kv["v"][layer].astype(dt), mask, False,
+                            attention_backend(cfg.attention_impl, dt, e, _platform()))
     out = out.reshape(b, t, h * e)
-    return _dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", cfg)(out), kv
+    return _dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", cfg)(out), kv, new
 
 
 class MLP(nn.Module):
@@ -258,7 +286,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """One layer as a scan body: carry `(x, kv)`, scanned over the layer index."""
+  """One layer as a scan body: carry `(x, kv)`, scanned over the layer index; outputs a decode step's
+  new `(key, value)` (stacked by the scan: `[L, B, K, E]`), else None."""
 
   cfg: ModelConfig
   window: int | None = None
@@ -266,12 +295,13 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, carry, layer, positions, attention_mask, index):
     x, kv = carry
+    x = shard_rows(x)  # on a mesh: the batch's rows stay split (opdjax.parallel.activations)
     cfg = self.cfg
     h = RMSNorm(cfg.rms_norm_eps, name="input_layernorm")(x)
-    a, kv = Attention(cfg, self.window, name="self_attn")(h, positions, attention_mask, kv, layer, index)
+    a, kv, new = Attention(cfg, self.window, name="self_attn")(h, positions, attention_mask, kv, layer, index)
     x = x + a
     h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm")(x)
-    return (x + MLP(cfg, name="mlp")(h), kv), None
+    return (x + MLP(cfg, name="mlp")(h), kv), new
 
 
 # What the backward pass keeps of each layer's forward: everything, the matmul outputs (the
@@ -324,6 +354,9 @@ class Decoder(nn.Module):
       self.lm_head = _dense(cfg.vocab_size, False, "lm_head", cfg, act_quant=False)
 
   def __call__(self, tokens_BxT, positions_BxT, attention_mask, cache: Cache | None = None):
+    if cache is not None and tokens_BxT.shape[1] == 1:
+      x, new = self.decode_step(tokens_BxT, positions_BxT, attention_mask, cache)
+      return x, write_step(cache, new)
     x = self.embed_tokens(tokens_BxT).astype(jnp.dtype(self.cfg.dtype))
     kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
     index = None if cache is None else cache["index"]
@@ -333,6 +366,14 @@ class Decoder(nn.Module):
     if cache is not None:
       cache = {"index": index + tokens_BxT.shape[1], **kv}
     return x, cache
+
+  def decode_step(self, tokens_Bx1, positions_Bx1, attention_mask, cache: Cache):
+    """`(hidden [B, 1, D], (keys, values) [L, B, K, E])` of one new token per row; reads the cache only."""
+    x = self.embed_tokens(tokens_Bx1).astype(jnp.dtype(self.cfg.dtype))
+    kv = {"k": cache["k"], "v": cache["v"]}
+    layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+    (x, _), new = self.layers((x, kv), layer_ids, positions_Bx1, attention_mask, cache["index"])
+    return self.norm(x), new
 
   def logits(self, hidden_BxTxD):
     """fp32 logits from hidden states (also usable on a chunk of positions)."""
@@ -371,17 +412,20 @@ class Model:
 
   def hidden(self, params, tokens, positions, attention_mask, cache=None):
     """`(hidden [B, T, D], cache)`. A decode step (one new token per row) attends over the smallest
-    of the cache's `decode_windows` that holds the tokens so far."""
-    windows = () if cache is None or tokens.shape[1] != 1 else decode_windows(cache["k"].shape[2])
-    if len(windows) < 2:
+    of the cache's `decode_windows` that holds the tokens so far; the branches only read the cache
+    and the new keys and values are written after the switch."""
+    if cache is None or tokens.shape[1] != 1:
       return self.module.apply({"params": params}, tokens, positions, attention_mask, cache)
-    branches = [functools.partial(self._windowed_apply, w) for w in windows]
+    windows = decode_windows(cache["k"].shape[2])
+    branches = [functools.partial(self._decode_step, w) for w in windows]
     pick = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), cache["index"] + 1), len(windows) - 1)
-    return jax.lax.switch(pick, branches, params, tokens, positions, attention_mask, cache)
+    args = (params, tokens, positions, attention_mask, cache)
+    h, new = jax.lax.switch(pick, branches, *args) if len(windows) > 1 else branches[0](*args)
+    return h, write_step(cache, new)
 
-  def _windowed_apply(self, window, params, tokens, positions, attention_mask, cache):
+  def _decode_step(self, window, params, tokens, positions, attention_mask, cache):
     decoder = Decoder(self.cfg, remat_policy=self.remat_policy, unroll_layers=self.unroll_layers, window=window)
-    return decoder.apply({"params": params}, tokens, positions, attention_mask, cache)
+    return decoder.apply({"params": params}, tokens, positions, attention_mask, cache, method=Decoder.decode_step)
 
   def logits(self, params, hidden):
     return self.module.apply({"params": params}, hidden, method=Decoder.logits)
@@ -403,6 +447,13 @@ class Model:
     dt = jnp.dtype(dtype or cfg.dtype)
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     return {"index": jnp.zeros((), jnp.int32), "k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+
+
+def write_step(cache: Cache, new) -> Cache:
+  """The cache with a decode step's `(keys, values) [L, B, K, E]` written at slot `index`, in place."""
+  at = (0, 0, cache["index"], 0, 0)
+  return {"index": cache["index"] + 1, "k": jax.lax.dynamic_update_slice(cache["k"], new[0][:, :, None], at),
+          "v": jax.lax.dynamic_update_slice(cache["v"], new[1][:, :, None], at)}
 
 
 def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:

@@ -77,7 +77,9 @@ def _generate(params, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
   n = sampling.max_new_tokens
   positions = positions_from_mask(prompt_mask_BxP)
   kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((b, n), bool)], axis=1)
-  cache = {**cache, "index": jnp.zeros((), jnp.int32)}
+  # The donated cache holds the last call's keys and values: zeroed (in place), as a decode step
+  # multiplies its not-yet-written slots by a zero weight and 0 * NaN from a diverged call is NaN.
+  cache = {"index": jnp.zeros((), jnp.int32), "k": jnp.zeros_like(cache["k"]), "v": jnp.zeros_like(cache["v"])}
   h, cache = model.hidden(engine_params(params, model), prompt_BxP, positions, kv_mask_BxS, cache)
   logits = model.logits(engine_params(params, model), h[:, -1])
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
