@@ -135,6 +135,19 @@ def report(title: str, args, device: str, notes: list[str], table: str, ratio_li
     append_markdown(args.out, f"{title} ({args.mode})", machine, notes, table, ratio_line, summary)
 
 
+# Dense (no sparsity) peak bf16/fp16 tensor-core FLOP/s from the vendors' datasheets; first match
+# of the device kind wins. MFU is measured against these.
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H200", 989.4e12), ("H100", 989.4e12), ("H800", 989.4e12),
+                   ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12))
+
+
+def peak_flops(device_kind: str, dtype: str) -> float | None:
+  """The device's peak FLOP/s for `dtype` compute, or None (unknown device, or fp32 / CPU)."""
+  if dtype not in ("bfloat16", "float16"):
+    return None
+  return next((f for name, f in PEAK_BF16_FLOPS if name in device_kind), None)
+
+
 def torch_device(mode: str):
   """The torch device for a bench side: CUDA in gpu mode (an error without one), else the CPU
   with torch's thread pool sized to this process's cores."""

@@ -7,6 +7,10 @@ the student + global-norm clip + AdamW. opdjax runs `make_train_step` with
 teacher under `no_grad`. Both sides get the same configs and the same token batch;
 they run one after the other, each in its own subprocess (see `_common.py`).
 
+Also printed: the step's FLOPs (XLA's HLO cost analysis of the step lowered without loops, see
+`step_flops`), the TFLOP/s they make and, on a GPU with a known peak, the MFU. `--remat` picks the
+student's `model.remat_policy` (default full), `--attention` the models' `attention_impl`.
+
 Precision: `--mode gpu` keeps the student's master weights in fp32 and computes in
 bf16 (opdjax: `ModelConfig(dtype="bfloat16")`; PyTorch: `torch.autocast`), with the
 frozen teacher's weights stored in bf16 on both sides; logits, log-softmax and KL
@@ -93,13 +97,67 @@ def make_data(spec: dict):
 
 # --- opdjax side --------------------------------------------------------------
 
+def build_step(spec, remat_policy: str = "full", unroll_layers: bool = False, attention_impl: str = "auto",
+               chunk: int | None = None):
+  """`(student, teacher, optimizer, jitted step)`: the step `make_train_step` builds for the bench."""
+  from opdjax.models import Model
+  from opdjax.training.loss import LossConfig
+  from opdjax.training.step import OptimConfig, make_optimizer, make_train_step
+
+  scfg = model_config(spec["student"], spec).replace(attention_impl=attention_impl)
+  tcfg = model_config(spec["teacher"], spec).replace(attention_impl=attention_impl)
+  # No backward through the teacher: it never needs remat.
+  student = Model(scfg, remat_policy=remat_policy, unroll_layers=unroll_layers)
+  teacher = Model(tcfg, unroll_layers=unroll_layers)
+  optimizer = make_optimizer(OptimConfig(learning_rate=LR, warmup_steps=1, b1=BETAS[0], b2=BETAS[1],
+                                         max_grad_norm=MAX_GRAD_NORM))
+  loss_cfg = LossConfig(kind="full_rkl") if chunk is None else LossConfig(kind="full_rkl", chunk=chunk)
+  return student, teacher, optimizer, make_train_step(student, teacher, loss_cfg, optimizer)
+
+
+def abstract_inputs(student, teacher, optimizer, spec):
+  """`(state, teacher_params, batch)` as `ShapeDtypeStruct`s: the step's arguments, nothing allocated."""
+  import jax
+  import jax.numpy as jnp
+
+  from opdjax.training.step import TrainState
+
+  params = jax.eval_shape(student.init, jax.random.key(0))
+  state = jax.eval_shape(lambda p: TrainState.create(p, optimizer), params)
+  t_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(spec["dtype"])),
+                          jax.eval_shape(teacher.init, jax.random.key(1)))
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in make_data(spec).items()}
+  batch["rollout_logprobs"] = batch["loss_mask"]
+  return state, t_params, batch
+
+
+def step_flops(spec, remat_policy: str = "full") -> float:
+  """FLOPs of one train step, from XLA's HLO cost analysis of the step lowered without loops: layer
+  scans unrolled, the loss in one chunk, XLA attention. The same arithmetic as the benchmarked step,
+  which the compiled step's own `cost_analysis()` undercounts: it counts a loop body (a scanned
+  layer, a loss chunk) once and a cuDNN attention call as no FLOPs. Remat recomputation counts."""
+  student, teacher, optimizer, step = build_step(spec, remat_policy, unroll_layers=True, attention_impl="xla",
+                                                 chunk=spec["seq"])
+  cost = step.lower(*abstract_inputs(student, teacher, optimizer, spec)).cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost["flops"])
+
+
+def attention_used(spec, requested: str = "auto") -> str:
+  """The attention implementation the step's models pick on this backend."""
+  import jax
+  import jax.numpy as jnp
+
+  from opdjax.models.decoder import attention_backend
+  return attention_backend(requested, jnp.dtype(spec["dtype"]), spec["student"]["head_dim"], jax.default_backend())
+
+
 def jax_side(args, spec) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from opdjax.models import Model, save_hf_params
-  from opdjax.training.loss import LossConfig
-  from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
+  from opdjax.models import save_hf_params
+  from opdjax.training.step import TrainState
 
   gpu = args.mode == "gpu"
   if gpu and jax.default_backend() != "gpu":
@@ -108,8 +166,8 @@ def jax_side(args, spec) -> dict:
   _common.trim_heap()
   base_rss = _common.rss_bytes()
 
-  scfg, tcfg = model_config(spec["student"], spec), model_config(spec["teacher"], spec)
-  student, teacher = Model(scfg, remat_policy="full"), Model(tcfg)  # no backward through the teacher
+  student, teacher, optimizer, step = build_step(spec, args.remat, attention_impl=args.attention)
+  scfg, tcfg = student.cfg, teacher.cfg
   params = jax.jit(student.init)(jax.random.key(0))
   # The frozen teacher is cast inside the init's jit, so no fp32 teacher counts in the peak.
   cast = lambda tree: jax.tree.map(lambda x: x.astype(jnp.dtype(spec["dtype"])), tree)
@@ -118,15 +176,12 @@ def jax_side(args, spec) -> dict:
     save_hf_params(params, scfg, os.path.join(args.weights_dir, "student"))
     save_hf_params(teacher_params, tcfg, os.path.join(args.weights_dir, "teacher"))
 
-  optimizer = make_optimizer(OptimConfig(learning_rate=LR, warmup_steps=1, b1=BETAS[0], b2=BETAS[1],
-                                         max_grad_norm=MAX_GRAD_NORM))
   state = jax.jit(lambda p: TrainState.create(p, optimizer))(params)
   del params
   batch = {k: jnp.asarray(v) for k, v in make_data(spec).items()}
   batch["rollout_logprobs"] = jnp.zeros_like(batch["loss_mask"])
 
   t0 = time.perf_counter()
-  step = make_train_step(student, teacher, LossConfig(kind="full_rkl"), optimizer)
   compiled = step.lower(state, teacher_params, batch).compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
@@ -154,7 +209,8 @@ def jax_side(args, spec) -> dict:
           "cpu_step_s": statistics.median(cpus),
           "compile_s": compile_s, "peak_bytes": peak, "peak_what": peak_what,
           "xla_temp_bytes": xla_temp, "first_loss": losses[0], "device": dev.device_kind,
-          "framework": f"jax {jax.__version__}"}
+          "framework": f"jax {jax.__version__}", "flops_per_step": step_flops(spec, args.remat),
+          "attention": attention_used(spec, args.attention), "remat_policy": args.remat}
 
 
 # --- PyTorch side -------------------------------------------------------------
@@ -233,24 +289,11 @@ def torch_side(args, spec) -> dict:
 def dry_run(args, spec) -> None:
   """Param counts and a trace of the train step at full size, without allocating it."""
   import jax
-  import jax.numpy as jnp
 
-  from opdjax.models import Model
-  from opdjax.training.loss import LossConfig
-  from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
-
-  scfg, tcfg = model_config(spec["student"], spec), model_config(spec["teacher"], spec)
-  student, teacher = Model(scfg, remat_policy="full"), Model(tcfg)
-  p_shapes = jax.eval_shape(student.init, jax.random.key(0))
-  t_shapes = jax.eval_shape(teacher.init, jax.random.key(1))
-  t_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(spec["dtype"])), t_shapes)
+  student, teacher, optimizer, step = build_step(spec, args.remat)
+  state, t_shapes, batch = abstract_inputs(student, teacher, optimizer, spec)
   count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
-  optimizer = make_optimizer(OptimConfig())
-  state = jax.eval_shape(lambda p: TrainState.create(p, optimizer), p_shapes)
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in make_data(spec).items()}
-  batch["rollout_logprobs"] = batch["loss_mask"]
   t0 = time.perf_counter()
-  step = make_train_step(student, teacher, LossConfig(kind="full_rkl"), optimizer)
   out_state, metrics = jax.eval_shape(step, state, t_shapes, batch)
   assert jax.tree.structure(out_state) == jax.tree.structure(state)
   trace_s = time.perf_counter() - t0
@@ -258,14 +301,17 @@ def dry_run(args, spec) -> None:
   import torch
   from transformers import Qwen3Config, Qwen3ForCausalLM
   with torch.device("meta"):
-    hf = {w: Qwen3ForCausalLM(Qwen3Config.from_dict(c.to_hf_dict())) for w, c in
-          (("student", scfg), ("teacher", tcfg))}
+    hf = {w: Qwen3ForCausalLM(Qwen3Config.from_dict(m.cfg.to_hf_dict())) for w, m in
+          (("student", student), ("teacher", teacher))}
   hf_count = {w: sum(p.numel() for p in m.parameters()) for w, m in hf.items()}
   print(f"mode {args.mode}: {shapes_line(spec)}")
-  print(f"opdjax params: student {count(p_shapes) / 1e9:.3f}B, teacher {count(t_shapes) / 1e9:.3f}B;"
+  print(f"opdjax params: student {count(state.params) / 1e9:.3f}B, teacher {count(t_shapes) / 1e9:.3f}B;"
         f" HF: student {hf_count['student'] / 1e9:.3f}B, teacher {hf_count['teacher'] / 1e9:.3f}B")
   print(f"train step traced at full size in {trace_s:.1f}s; metrics: {sorted(metrics)}")
-  if count(p_shapes) != hf_count["student"] or count(t_shapes) != hf_count["teacher"]:
+  flops = step_flops(spec, args.remat)
+  print(f"XLA cost analysis (loop-free lowering, remat {args.remat}): {flops / 1e12:.1f} TFLOP per step,"
+        f" {flops / (spec['batch'] * spec['seq']) / 1e9:.2f} GFLOP per token")
+  if count(state.params) != hf_count["student"] or count(t_shapes) != hf_count["teacher"]:
     raise SystemExit("opdjax and HF parameter counts differ")
 
 
@@ -278,6 +324,9 @@ def report(args, spec, results: list[dict]) -> None:
   cpu = args.mode == "cpu"
   header = ["side", "median step (ms)", "tokens/s"] + (["tokens/s (CPU time)"] if cpu else [])
   header += ["peak mem (GiB)", "compile/warm-up (s)", "loss at step 0"]
+  achieved = jx["flops_per_step"] / jx["step_s"]
+  peak_flops = _common.peak_flops(jx["device"], spec["dtype"])
+  mfu = achieved / peak_flops if peak_flops else None
   rows = []
   for r in results:
     row = [r["side"], f"{r['step_s'] * 1e3:.1f}", f"{tokens / r['step_s']:,.0f}"]
@@ -298,10 +347,14 @@ def report(args, spec, results: list[dict]) -> None:
       "pytorch_peak_gib": round(gib(pt["peak_bytes"]), 3),
       "peak_mem_ratio": round(mem_ratio, 3),
       "loss_abs_diff_step0": abs(jx["first_loss"] - pt["first_loss"]) if args.share_weights else None,
+      "flops_per_step": jx["flops_per_step"],
+      "opdjax_tflops_per_s": round(achieved / 1e12, 3),
+      "mfu": round(mfu, 4) if mfu is not None else None,
   }
   table = _common.markdown_table(header, rows)
   ratio_line = (f"opdjax / PyTorch eager: {speedup:.2f}x tokens/s"
-                + (f" ({cpu_speedup:.2f}x in CPU time)" if cpu else "") + f", {mem_ratio:.2f}x peak memory")
+                + (f" ({cpu_speedup:.2f}x in CPU time)" if cpu else "") + f", {mem_ratio:.2f}x peak memory;"
+                + f" opdjax {achieved / 1e12:.2f} TFLOP/s" + (f", MFU {mfu:.1%}" if mfu is not None else ""))
   notes = [
       f"Shapes: {shapes_line(spec)}",
       f"tokens/s = batch x seq ({tokens}) / median step time (each step synced);"
@@ -309,8 +362,12 @@ def report(args, spec, results: list[dict]) -> None:
       *([_common.CPU_TIME_NOTE] if cpu else []),
       (f"Peak memory, both sides: {jx['peak_what']}" if jx["peak_what"] == pt["peak_what"] else
        f"Peak memory: opdjax = {jx['peak_what']}; PyTorch = {pt['peak_what']}"),
-      f"opdjax: {jx['framework']}, XLA temp buffer {gib(jx['xla_temp_bytes'] or 0):.3f} GiB;"
-      f" PyTorch: {pt['framework']}",
+      f"opdjax: {jx['framework']}, XLA temp buffer {gib(jx['xla_temp_bytes'] or 0):.3f} GiB, attention"
+      f" {jx['attention']}, student remat {jx['remat_policy']}; PyTorch: {pt['framework']}",
+      f"FLOPs: {jx['flops_per_step'] / 1e12:.3f} TFLOP per step from XLA's HLO cost analysis of the step lowered"
+      " without loops (layers unrolled, loss in one chunk, XLA attention; remat recomputation included);"
+      + (f" MFU against {peak_flops / 1e12:.0f} TFLOP/s dense {spec['dtype']}" if peak_flops else
+         " no MFU: no peak FLOP/s known for this device"),
       ("Same weights on both sides (opdjax init exported with save_hf_params), so step-0 losses"
        " should agree" if args.share_weights else "Independent random weights on each side"),
   ]
@@ -328,6 +385,10 @@ def main():
   ap.add_argument("--out", help="append a markdown section to this file")
   ap.add_argument("--machine", help="machine description for --out")
   ap.add_argument("--dry-run", action="store_true", help="param counts and a full-size trace only")
+  ap.add_argument("--remat", choices=("nothing", "dots", "full"), default="full",
+                  help="the student's remat policy (model.remat_policy)")
+  ap.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                  help="attention implementation of both models (ModelConfig.attention_impl)")
   ap.add_argument("--side", choices=("jax", "torch"), help=argparse.SUPPRESS)
   ap.add_argument("--weights-dir", help=argparse.SUPPRESS)
   args = ap.parse_args()
@@ -345,7 +406,8 @@ def main():
     return
   env = {"JAX_PLATFORMS": "cpu"} if args.mode == "cpu" else {}
   with tempfile.TemporaryDirectory(prefix="opd-bench-") as tmp:
-    child_args = ["--mode", args.mode, "--threads", str(args.threads), "--weights-dir", tmp,
+    child_args = ["--mode", args.mode, "--threads", str(args.threads), "--weights-dir", tmp, "--remat", args.remat,
+                  "--attention", args.attention,
                   "--share-weights" if args.share_weights else "--no-share-weights"]
     results = [_common.run_child(__file__, child_args + ["--side", side], env) for side in ("jax", "torch")]
   report(args, spec, results)

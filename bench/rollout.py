@@ -60,6 +60,25 @@ def make_prompts(spec: dict) -> list[list[int]]:
   return rng.integers(0, spec["vocab"], size=(spec["batch"], spec["prompt"])).tolist()
 
 
+def time_generate(engine, prompts, sampling, repeats: int) -> dict:
+  """Wall and CPU seconds of `engine.generate`: a first call (compile + run), then `repeats` timed."""
+  import jax
+
+  def call(seed):
+    r = engine.generate(prompts, sampling, seed=seed)
+    jax.block_until_ready(r.completion_tokens)
+    return r
+
+  first_s, _, _ = _common.timed(lambda: call(0))
+  walls, cpus = [], []
+  for i in range(repeats):
+    wall, cpu, r = _common.timed(functools.partial(call, i + 1))
+    walls.append(wall)
+    cpus.append(cpu)
+  return {"call_s": statistics.median(walls), "times": walls, "cpu_call_s": statistics.median(cpus),
+          "first_call_s": first_s, "generated": int(r.completion_mask.sum())}
+
+
 def jax_side(args, spec) -> dict:
   import jax
   import jax.numpy as jnp
@@ -72,56 +91,49 @@ def jax_side(args, spec) -> dict:
   cfg = model_config(spec)
   model = Model(cfg)
   params = jax.jit(model.init)(jax.random.key(0))
-  save_hf_params(params, cfg, args.weights_dir)
+  if args.share_weights:
+    save_hf_params(params, cfg, args.weights_dir)
   params = jax.tree.map(lambda x: x.astype(jnp.dtype(spec["dtype"])), params)
   engine = JaxEngine(model, params, max_len=spec["prompt"] + spec["new"], pad_id=0, eos_ids=())
   sampling = SamplingParams(max_new_tokens=spec["new"], temperature=1.0, top_p=1.0, top_k=0)
-  prompts = make_prompts(spec)
-
-  def call(seed):
-    r = engine.generate(prompts, sampling, seed=seed)
-    jax.block_until_ready(r.completion_tokens)
-    return r
-
-  first_s, _, _ = _common.timed(lambda: call(0))
-  walls, cpus = [], []
-  for i in range(spec["repeats"]):
-    wall, cpu, r = _common.timed(functools.partial(call, i + 1))
-    walls.append(wall)
-    cpus.append(cpu)
-  generated = int(jnp.sum(r.completion_mask))
-  assert generated == spec["batch"] * spec["new"], generated
-  return {"side": "opdjax JaxEngine", "call_s": statistics.median(walls), "times": walls,
-          "cpu_call_s": statistics.median(cpus),
-          "first_call_s": first_s, "generated": generated, "device": jax.devices()[0].device_kind,
+  res = time_generate(engine, make_prompts(spec), sampling, spec["repeats"])
+  assert res["generated"] == spec["batch"] * spec["new"], res["generated"]
+  return {"side": "opdjax JaxEngine", **res, "device": jax.devices()[0].device_kind,
           "framework": f"jax {jax.__version__}"}
 
 
 def torch_side(args, spec) -> dict:
   import torch
   import transformers
-  from transformers import Qwen3ForCausalLM
+  from transformers import Qwen3Config, Qwen3ForCausalLM
 
   gpu = args.mode == "gpu"
   device = _common.torch_device(args.mode)
-  model = Qwen3ForCausalLM.from_pretrained(args.weights_dir, dtype=getattr(torch, spec["dtype"]))
-  model = model.to(device).eval()
+  dtype = getattr(torch, spec["dtype"])
+  if args.share_weights:
+    model = Qwen3ForCausalLM.from_pretrained(args.weights_dir, dtype=dtype).to(device)
+  else:  # random weights built on the device: nothing written or read
+    torch.manual_seed(0)
+    with device:
+      model = Qwen3ForCausalLM._from_config(Qwen3Config.from_dict(model_config(spec).to_hf_dict()), dtype=dtype)
+  model = model.eval()
   input_ids = torch.tensor(make_prompts(spec), device=device)
-  gen = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=spec["new"],
-             min_new_tokens=spec["new"], pad_token_id=0)
+  gen = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
 
-  def call(seed):
+  def call(seed, new):
     torch.manual_seed(seed)
     with torch.inference_mode():
-      out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **gen)
+      out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new,
+                           min_new_tokens=new, **gen)
     if gpu:
       torch.cuda.synchronize()
     return out
 
-  first_s, _, _ = _common.timed(lambda: call(0))
+  # HF generate has nothing to compile: a short warm-up call initialises the kernels.
+  first_s, _, _ = _common.timed(lambda: call(0, spec.get("hf_warmup_new", spec["new"])))
   walls, cpus = [], []
-  for i in range(spec["repeats"]):
-    wall, cpu, out = _common.timed(functools.partial(call, i + 1))
+  for i in range(spec.get("hf_repeats", spec["repeats"])):
+    wall, cpu, out = _common.timed(functools.partial(call, i + 1, spec["new"]))
     walls.append(wall)
     cpus.append(cpu)
   assert out.shape == (spec["batch"], spec["prompt"] + spec["new"]), out.shape
@@ -191,8 +203,8 @@ def report(args, spec, results: list[dict]) -> None:
       f"Shapes: {shapes_line(spec)}",
       f"tokens/s = batch x new tokens ({new_tokens}) / median wall time of one call (prefill included);"
       " first call = opdjax compile + run, HF warm-up run",
-      "Same weights (opdjax init exported with save_hf_params); sampling at temperature 1,"
-      " no top-k / top-p, no EOS",
+      ("Same weights (opdjax init exported with save_hf_params)" if args.share_weights else
+       "Independent random weights on each side") + "; sampling at temperature 1, no top-k / top-p, no EOS",
       f"opdjax: {jx['framework']}; HF: {hf['framework']}",
       *([_common.CPU_TIME_NOTE] if cpu else []),
   ]
@@ -204,6 +216,8 @@ def main():
   ap.add_argument("--mode", choices=sorted(MODES), default="cpu")
   ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                   help="cpu mode: cores each side is pinned to (default: all available)")
+  ap.add_argument("--share-weights", action=argparse.BooleanOptionalAction, default=True,
+                  help="export opdjax's init for HF to load (default); off: each side builds random weights")
   ap.add_argument("--out", help="append a markdown section to this file")
   ap.add_argument("--machine", help="machine description for --out")
   ap.add_argument("--dry-run", action="store_true", help="param count and a full-size trace only")
@@ -223,7 +237,8 @@ def main():
   env = {"JAX_PLATFORMS": "cpu"} if args.mode == "cpu" else {}
   with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
     child_args = ["--mode", args.mode, "--threads", str(args.threads),
-                  "--weights-dir", os.path.join(tmp, "model")]
+                  "--weights-dir", os.path.join(tmp, "model"),
+                  "--share-weights" if args.share_weights else "--no-share-weights"]
     results = [_common.run_child(__file__, child_args + ["--side", side], env) for side in ("jax", "torch")]
   report(args, spec, results)
 
