@@ -179,3 +179,17 @@ def test_teacher_folder_without_tokenizer_is_one_clear_error(tmp_path):
   (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n' * 3)
   with pytest.raises(UserError, match="has no tokenizer files"):
     PromptsTask(str(tmp_path / "p.jsonl"), str(tmp_path / "model"), 1, False, 10)
+
+
+def test_progress_in_a_log_is_plain_lines():
+  import io
+
+  from opdjax.progress import bar
+
+  out = io.StringIO()  # not a terminal
+  assert list(bar(range(3), desc="views", stream=out)) == [0, 1, 2]
+  b = bar(desc="sweep", total=2, stream=out)
+  b.update()
+  b.update()
+  text = out.getvalue()
+  assert text.splitlines() == ["views: 3/3", "sweep: 2/2"] and "\r" not in text and "\x1b[" not in text

@@ -30,7 +30,6 @@ import time
 import jax
 import ml_collections
 import numpy as np
-from tqdm import tqdm
 
 from opdjax.analyses import reporting
 from opdjax.analyses.mismatch import Measurer, parse_views, warmup_history
@@ -40,6 +39,7 @@ from opdjax.errors import UserError
 from opdjax.models.quant import QuantFormat
 from opdjax.pipeline.checkpoint import package_versions
 from opdjax.pipeline.session import Session
+from opdjax.progress import bar as progress_bar
 from opdjax.views.view import EngineView
 
 BUDGET_FORMAT = 1
@@ -147,7 +147,7 @@ def calibrate(cfg: Config, out_dir: str, progress: bool = True) -> dict:
   session = Session(sweep_config(cfg, c.steps, c.eval_every), progress=progress)
   cal = Calibration(session, c.warmup_steps, c.num_prompts, c.seed, max_lag)
   points, curves = [], {}
-  for view in tqdm(views, desc="calibrate views", disable=not progress):
+  for view in progress_bar(views, desc="calibrate views", enabled=progress):
     kl, mask = cal.kl_tokens(view)
     mean, lo, hi = bootstrap_interval(kl, mask, cfg.admit.bootstrap, cfg.admit.confidence)
     point = {"view": str(view), "family": family(view), "mismatch": mean, "mismatch_ci": [lo, hi],
@@ -316,7 +316,7 @@ def admit(budget_path: str, candidates_path: str, out_dir: str | None = None, ov
   cal = Calibration(session, proto["warmup_steps"], proto["num_prompts"], proto["seed"], max_lag)
   setup_s = time.time() - t0
   rows = []
-  for name, view in tqdm(candidates, desc="candidates", disable=not progress):
+  for name, view in progress_bar(candidates, desc="candidates", enabled=progress):
     t = time.time()
     kl, mask = cal.kl_tokens(view)
     mean, lo, hi = bootstrap_interval(kl, mask, cfg.admit.bootstrap, cfg.admit.confidence)

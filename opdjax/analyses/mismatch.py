@@ -14,7 +14,6 @@ import os
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from opdjax.analyses import reporting
 from opdjax.config.schema import Config
@@ -22,6 +21,7 @@ from opdjax.errors import UserError
 from opdjax.pipeline import hooks as H
 from opdjax.pipeline.loop import run_loop
 from opdjax.pipeline.session import Session
+from opdjax.progress import bar as progress_bar
 from opdjax.scoring.mismatch import exact_kl, sampled_metrics
 from opdjax.scoring.rescore import batch_from_rollout, masked_mean, token_logprobs
 from opdjax.views.history import ParamsHistory
@@ -111,7 +111,7 @@ def run(cfg: Config, out_dir: str | None = None, progress: bool = True) -> dict:
     prompts = session.task.eval_set()[0][: cfg.mismatch.num_prompts]
     results = {"views": {}, "attribution": {}}
     seed = cfg.mismatch.seed
-    for view in tqdm(views, desc="views", disable=not progress):
+    for view in progress_bar(views, desc="views", enabled=progress):
       metrics, batch = measurer.measure(view, history, state.params, prompts, seed=seed)
       results["views"][str(view)] = metrics
       if len(view.sources()) > 1:

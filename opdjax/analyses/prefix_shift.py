@@ -33,7 +33,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from opdjax.analyses.mismatch import parse_views, warmup_history
 from opdjax.analyses.prefix_shift_report import (
@@ -44,6 +43,7 @@ from opdjax.analyses.prefix_shift_report import (
 from opdjax.config.schema import Config
 from opdjax.models.decoder import Model
 from opdjax.pipeline.session import Session
+from opdjax.progress import bar as progress_bar
 from opdjax.rollout import SamplingParams
 from opdjax.rollout.base import Rollout
 from opdjax.rollout.cache import EngineCache
@@ -292,7 +292,7 @@ def run(cfg: Config, out_dir: str | None = None, progress: bool = True) -> dict:
   }
   # The noise floor: the clean engine with another seed, i.e. unrelated samples of the same policy.
   jobs = [("noise_floor", EngineView(), pc.seed + 1)] + [(str(v), v, pc.seed) for v in views]
-  for name, view, seed in tqdm(jobs, desc="prefix-shift views", disable=not progress):
+  for name, view, seed in progress_bar(jobs, desc="prefix-shift views", enabled=progress):
     vmodel, vparams = view.model(student), ps.view_params(view, history)
     m = ps.measure(clean, ps.rollout(vmodel, vparams, prompts, seed), vmodel, vparams, params, teacher_params)
     fam, strength = family(view) if name != "noise_floor" else ("floor", 0.0)

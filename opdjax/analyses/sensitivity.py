@@ -38,12 +38,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from tqdm import tqdm
 
 from opdjax.analyses import capacity, reporting
 from opdjax.errors import UserError
 from opdjax.models import quant
 from opdjax.models.decoder import Model
+from opdjax.progress import bar as progress_bar
 from opdjax.rollout import JaxEngine, SamplingParams
 from opdjax.rollout.sampling import sampling_logprobs
 from opdjax.scoring.rescore import TrainBatch, batch_from_rollout, chunked_over_positions, masked_mean
@@ -238,7 +238,7 @@ def analyse(model: Model, params, scorer: Scorer, settings: Settings, progress: 
   points = settings.perturbations
   layer_kl = {p: [0.0] * n for p in points}
   kind_kl = {p: {} for p in points}
-  bar = tqdm(total=len(points) * (n + len(kinds)), desc="sensitivity sweep", disable=not progress)
+  bar = progress_bar(total=len(points) * (n + len(kinds)), desc="sensitivity sweep", enabled=progress)
   for p in points:
     for i in range(n):
       layer_kl[p][i] = scorer.kl(perturbed(params, [f"layers.{i}.*"], p, key))
@@ -268,7 +268,7 @@ def analyse(model: Model, params, scorer: Scorer, settings: Settings, progress: 
   kl_clean = scorer.kl(params)
   kl_all_quant = measure([])
   target = settings.target_kl if settings.target_kl > 0 else kl_clean + 0.5 * (kl_all_quant - kl_clean)
-  with tqdm(desc="recipe search", disable=not progress) as bar:
+  with progress_bar(desc="recipe search", enabled=progress) as bar:
     def measure_counted(layers):
       bar.update()
       return measure(layers)

@@ -118,10 +118,10 @@ def _dequantize(tensor) -> np.ndarray:
 
 def params_from_gguf(reader, cfg: ModelConfig, progress: bool = False) -> dict[str, Any]:
   """Dequantized fp32 params (NumPy leaves) in opdjax's tree, q/k rows back in HF order."""
-  from tqdm import tqdm
+  from opdjax.progress import bar as progress_bar
 
   hf = {}
-  for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress, leave=False):
+  for t in progress_bar(reader.tensors, desc="converting GGUF", enabled=progress, unit="tensor", leave=False):
     name = hf_name(t.name)
     if name is None:
       raise UserError(f"GGUF tensor {t.name!r} has no place in a Llama decoder; this file cannot be converted.")
