@@ -156,10 +156,10 @@ def _cudnn_rejects(q, k, mask, is_causal) -> str | None:
   backward are traced once on abstract values, so a refusal of the backward also shows here."""
   key = (q.shape, k.shape, q.dtype, mask.shape, is_causal)
   if key not in _cudnn_verdicts:
-    def loss(q, k, v):
+    def loss(q, k, v, mask):
       return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, implementation="cudnn").sum()
     try:
-      abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, k)]
+      abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, k, mask)]  # no tracer closed over
       jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), *abstract)
       _cudnn_verdicts[key] = None
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
