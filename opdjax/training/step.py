@@ -153,5 +153,9 @@ def make_train_step(student: Model, teacher: Model, loss_cfg: LossConfig,
   check_compatible(student, teacher)
   fn = functools.partial(train_step, student=student, teacher=teacher, loss_cfg=loss_cfg,
                          optimizer=optimizer, skip_nonfinite=skip_nonfinite, sampling=sampling)
-  kw = {} if shardings is None else {"in_shardings": shardings[0], "out_shardings": shardings[1]}
-  return jax.jit(fn, donate_argnums=0, **kw)
+  if shardings is None:
+    return jax.jit(fn, donate_argnums=0)
+  from opdjax.parallel.activations import traced_on
+
+  mesh = shardings[1][1].mesh  # the metrics' (replicated) sharding names the mesh
+  return jax.jit(traced_on(fn, mesh), donate_argnums=0, in_shardings=shardings[0], out_shardings=shardings[1])
