@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
       return capacity.main(argv[1:])
     except UserError as e:
       return _error(e)
+  if argv[:1] == ["plan"]:  # its own flags; no config
+    from opdjax.analyses import plan
+    try:
+      return plan.main(argv[1:])
+    except UserError as e:
+      return _error(e)
 
   fmt = argparse.RawDescriptionHelpFormatter
   parser = argparse.ArgumentParser(prog="opdjax", description="On-policy distillation in JAX.", epilog=OVERRIDES_HELP,
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
   admit.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
   sub.add_parser("kv-capacity", add_help=False,
                  help="KV-cache tokens that fit in a memory budget: BF16 vs FP8 KV cache and weights")
+  sub.add_parser("plan", add_help=False,
+                 help="per-device memory of the train step and rollout on a device mesh (AOT compile, no GPU)")
   export = sub.add_parser("export", help="a run's checkpointed student as a Hugging Face folder")
   export.add_argument("--checkpoint", required=True, help="the run's --out folder (or its checkpoints/)")
   export.add_argument("--out", required=True, help="new HF folder to write")

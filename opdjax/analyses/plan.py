@@ -1,0 +1,260 @@
+"""`opdjax plan`: will a teacher -> student OPD run fit, per device, on a given mesh?
+
+Ahead of time (maxtext's train_compile): the OPD train step and the JAX engine's generate function
+are lowered and compiled for `--devices` fake host devices (a subprocess with JAX_NUM_CPU_DEVICES),
+from abstract params (`jax.eval_shape`, `ShapeDtypeStruct`s carrying the partition rules'
+shardings): nothing is allocated. Per device, `compiled.memory_analysis()` gives the arguments
+(split here into student params, optimizer state, teacher params, batch / KV cache from their
+shapes and shardings), the outputs, the temporaries (activations, gradients, logits chunks) and
+what donation aliases; the peak is arguments + outputs + temporaries - aliased.
+
+The numbers are XLA's CPU backend's. A GPU compile of the same program fuses and lays out
+differently (cuDNN attention, its own buffer assignment), so treat them as an estimate with a
+margin: the default `--headroom 0.9` counts a device as fitting when the peak is under 90 % of
+`--hbm-gib` (141 for an H200, 80 for an H100).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+GIB = 1 << 30
+LOSSES = ("sampled_rkl", "full_rkl", "topk_rkl", "forward_kl", "jsd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  teacher: str
+  student: str
+  devices: int
+  mesh: tuple[int, int, int]  # data, fsdp, tensor; -1 = the rest
+  batch: int = 64
+  seq_len: int = 1024
+  prompt_len: int = 512
+  loss: str = "full_rkl"
+  chunk: int = 128
+  dtype: str = "bfloat16"
+  remat: str = "full"
+  layers: int = 0  # 0: the models' own depth; N: both models cut to N layers (faster compiles)
+
+
+def parse_mesh(text: str) -> tuple[int, int, int]:
+  """'data=2,fsdp=4' -> (2, 4, 1); missing axes are 1."""
+  from opdjax.errors import UserError
+
+  sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    k, eq, v = part.partition("=")
+    if k not in sizes or not eq or not v.lstrip("-").isdigit():
+      raise UserError(f"--mesh {text!r}: give axis=size pairs, e.g. 'fsdp=8' or 'data=2,fsdp=4,tensor=2'"
+                      " (-1 = the rest of the devices).")
+    sizes[k] = int(v)
+  return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+# --- the worker (runs with JAX_NUM_CPU_DEVICES = plan.devices) ---
+
+def _bytes_per_device(tree) -> int:
+  import jax
+  import numpy as np
+
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    total += math.prod(shape) * np.dtype(x.dtype).itemsize
+  return total
+
+
+def _with_shardings(tree, shardings):
+  import jax
+
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _memory(compiled) -> dict:
+  m = compiled.memory_analysis()
+  out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+         "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes}
+  out["peak"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+  return out
+
+
+def measure(plan: Plan) -> dict:
+  """Compiles both functions for `plan` and returns per-device bytes (run where jax sees the devices)."""
+  import jax
+  import jax.numpy as jnp
+
+  from opdjax.analyses.capacity import load_model_config
+  from opdjax.config.schema import MeshConfig
+  from opdjax.models import Model
+  from opdjax.parallel import rules
+  from opdjax.parallel.mesh import check_fits, make_mesh
+  from opdjax.parallel.placement import Placement
+  from opdjax.rollout.base import SamplingParams
+  from opdjax.rollout.jax_engine import _generate
+  from opdjax.training.loss import LossConfig
+  from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
+
+  if jax.device_count() != plan.devices:
+    raise RuntimeError(f"the worker sees {jax.device_count()} devices, the plan wants {plan.devices}")
+  cfgs = {}
+  for role in ("teacher", "student"):
+    name, mc = load_model_config(getattr(plan, role))
+    cfgs[role] = mc.replace(dtype=plan.dtype, **({"num_layers": plan.layers} if plan.layers else {}))
+  mesh = make_mesh(MeshConfig(*plan.mesh))
+  check_fits(mesh, cfgs, {"--batch": plan.batch})
+  place = Placement(mesh)
+  student, teacher = (Model(cfgs[r], remat_policy=plan.remat) for r in ("student", "teacher"))
+  s_params = jax.eval_shape(student.init, jax.random.key(0))
+  t_params = jax.eval_shape(teacher.init, jax.random.key(0))
+  optimizer = make_optimizer(OptimConfig())
+  (state_sh, teacher_sh, batch_sh), _ = place.train_step_shardings(s_params, t_params, optimizer)
+  state = _with_shardings(jax.eval_shape(lambda p: TrainState.create(p, optimizer), s_params), state_sh)
+  t_params = _with_shardings(t_params, teacher_sh)
+  length = plan.seq_len - 1
+  kinds = {"tokens": jnp.int32, "positions": jnp.int32, "attention_mask": jnp.bool_, "targets": jnp.int32,
+           "loss_mask": jnp.float32, "rollout_logprobs": jnp.float32}
+  batch = {k: jax.ShapeDtypeStruct((plan.batch, length), dt, sharding=batch_sh) for k, dt in kinds.items()}
+  step = make_train_step(student, teacher, LossConfig(kind=plan.loss, chunk=plan.chunk), optimizer,
+                         shardings=place.train_step_shardings(s_params, t_params, optimizer))
+  t0 = time.perf_counter()
+  train = _memory(step.lower(state, t_params, batch).compile())
+  train_s = time.perf_counter() - t0
+  train["student_params"] = _bytes_per_device(state.params)
+  train["optimizer_state"] = _bytes_per_device(state.opt_state)
+  train["teacher_params"] = _bytes_per_device(t_params)
+  train["batch"] = _bytes_per_device(batch)
+
+  # The engine holds the student in its compute dtype and a KV cache of the whole sequence.
+  dt = jnp.dtype(plan.dtype)
+  e_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dt if x.dtype == jnp.float32 else x.dtype,
+                                                         sharding=x.sharding), state.params)
+  cache = jax.eval_shape(lambda: student.init_cache(plan.batch, plan.seq_len))
+  kv = jax.sharding.NamedSharding(mesh, rules.KV_CACHE)
+  cache = {"index": jax.ShapeDtypeStruct((), jnp.int32, sharding=rules.replicated(mesh)),
+           "k": jax.ShapeDtypeStruct(cache["k"].shape, cache["k"].dtype, sharding=kv),
+           "v": jax.ShapeDtypeStruct(cache["v"].shape, cache["v"].dtype, sharding=kv)}
+  rows = rules.rows_sharding(mesh, 2)
+  prompt = jax.ShapeDtypeStruct((plan.batch, plan.prompt_len), jnp.int32, sharding=rows)
+  prompt_mask = jax.ShapeDtypeStruct((plan.batch, plan.prompt_len), jnp.bool_, sharding=rows)
+  sampling = SamplingParams(max_new_tokens=plan.seq_len - plan.prompt_len)
+  fn = jax.jit(functools.partial(_generate, model=student, sampling=sampling, eos_ids=(), pad_id=0),
+               donate_argnames=("cache",), **place.generate_jit_kw())
+  t0 = time.perf_counter()
+  rollout = _memory(fn.lower(e_params, cache, prompt, prompt_mask, jax.random.key(0)).compile())
+  rollout_s = time.perf_counter() - t0
+  rollout["student_params"] = _bytes_per_device(e_params)
+  rollout["kv_cache"] = _bytes_per_device(cache)
+  return {"plan": dataclasses.asdict(plan), "mesh_sizes": dict(mesh.shape), "train": train, "rollout": rollout,
+          "compile_s": {"train": round(train_s, 1), "rollout": round(rollout_s, 1)}}
+
+
+def run(plan: Plan, timeout_s: float = 1800) -> dict:
+  """`measure(plan)` in a subprocess with `plan.devices` host devices (this process's JAX is untouched)."""
+  from opdjax.errors import UserError
+
+  env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(plan.devices), "JAX_PLATFORMS": "cpu"}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))), env.get("PYTHONPATH", "")]))
+  p = subprocess.run([sys.executable, "-m", "opdjax.analyses.plan", "--worker", json.dumps(dataclasses.asdict(plan))],
+                     env=env, capture_output=True, text=True, timeout=timeout_s)
+  if p.returncode:
+    last = [line for line in p.stderr.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+    raise UserError(f"planning {plan.teacher} -> {plan.student} on {plan.devices} devices: "
+                    + last[0].removeprefix("opdjax: error: "))
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# --- report ---
+
+def fits(result: dict, hbm_gib: float, headroom: float) -> bool:
+  peak = max(result["train"]["peak"], result["rollout"]["peak"])
+  return peak <= hbm_gib * GIB * headroom
+
+
+def report(result: dict, hbm_gib: float, headroom: float) -> str:
+  p, m = result["plan"], result["mesh_sizes"]
+  mesh = " ".join(f"{k}={v}" for k, v in m.items())
+  lines = [f"opdjax plan: teacher {p['teacher']} -> student {p['student']}"
+           + (f" (both cut to {p['layers']} layers)" if p["layers"] else ""),
+           f"  batch {p['batch']} x {p['seq_len']} tokens (prompt {p['prompt_len']}), loss {p['loss']} (chunk"
+           f" {p['chunk']}), {p['dtype']} compute, remat {p['remat']}",
+           f"  mesh {mesh} on {p['devices']} devices (compiled for the host CPU: GPU layouts differ; see --help)",
+           "", f"  {'per device, GiB':<22}{'train step':>12}{'rollout':>12}"]
+  rows = [("student params", "student_params", "student_params"), ("optimizer state", "optimizer_state", None),
+          ("teacher params", "teacher_params", None), ("batch / KV cache", "batch", "kv_cache"),
+          ("arguments (total)", "arguments", "arguments"), ("outputs", "outputs", "outputs"),
+          ("temporaries", "temporaries", "temporaries"), ("donated (aliased)", "aliased", "aliased"),
+          ("peak", "peak", "peak")]
+  for label, a, b in rows:
+    cell = [f"{result[side][key] / GIB:>12.2f}" if key else f"{'-':>12}"
+            for side, key in (("train", a), ("rollout", b))]
+    lines.append(f"  {label:<22}{cell[0]}{cell[1]}")
+  peak = max(result["train"]["peak"], result["rollout"]["peak"]) / GIB
+  verdict = "fits" if fits(result, hbm_gib, headroom) else "does NOT fit"
+  lines += ["", f"  {verdict}: peak {peak:.2f} GiB per device vs {hbm_gib:g} GiB x {headroom:g} headroom"
+            f" ({100 * peak / hbm_gib:.0f} % of HBM)"]
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  from opdjax.analyses.capacity import KNOWN_SHAPES
+
+  ap = argparse.ArgumentParser(
+      prog="opdjax plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+      description="Per-device memory of an OPD run's train step and rollout on a device mesh, from an"
+                  " ahead-of-time compile on fake host devices (nothing is allocated, no accelerator needed).",
+      epilog=f"Models: {', '.join(KNOWN_SHAPES)}, or an HF folder / config.json.\n\n" + __doc__.split("\n\n", 2)[2])
+  ap.add_argument("--teacher", help="teacher model (required)")
+  ap.add_argument("--student", help="student model (required)")
+  ap.add_argument("--devices", type=int, default=8, help="devices of the mesh (default 8)")
+  ap.add_argument("--mesh", default="fsdp=-1", help="axis sizes, e.g. 'fsdp=8', 'data=2,fsdp=4' (default fsdp=-1)")
+  ap.add_argument("--batch", type=int, default=64, help="sequences per step (default 64)")
+  ap.add_argument("--seq-len", type=int, default=1024, help="prompt + completion tokens (default 1024)")
+  ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the rollout (default 512)")
+  ap.add_argument("--loss", choices=LOSSES, default="full_rkl")
+  ap.add_argument("--chunk", type=int, default=128, help="loss.chunk: positions per logits chunk (default 128)")
+  ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
+  ap.add_argument("--remat", choices=("nothing", "dots", "full"), default="full")
+  ap.add_argument("--layers", type=int, default=0, help="cut both models to N layers (faster compiles; see"
+                  " docs/scaling.md for scaling the result back)")
+  ap.add_argument("--hbm-gib", type=float, default=141.0, help="device memory: 141 H200 (default), 80 H100")
+  ap.add_argument("--headroom", type=float, default=0.9, help="fraction of HBM the peak may use (default 0.9)")
+  ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+  ap.add_argument("--worker", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  from opdjax.errors import UserError
+
+  if args.worker:
+    spec = json.loads(args.worker)
+    try:
+      print(json.dumps(measure(Plan(**{**spec, "mesh": tuple(spec["mesh"])}))))
+    except UserError as e:  # one line the parent quotes
+      print(f"opdjax: error: {e}", file=sys.stderr)
+      return 2
+    return 0
+
+  if not args.teacher or not args.student:
+    ap.error("--teacher and --student are required")
+  if args.prompt_len >= args.seq_len:
+    raise UserError(f"--prompt-len {args.prompt_len} must be below --seq-len {args.seq_len} (room to generate).")
+  plan = Plan(args.teacher, args.student, args.devices, parse_mesh(args.mesh), args.batch, args.seq_len,
+              args.prompt_len, args.loss, args.chunk, args.dtype, args.remat, args.layers)
+  result = run(plan)
+  print(report(result, args.hbm_gib, args.headroom))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({**result, "hbm_gib": args.hbm_gib, "fits": fits(result, args.hbm_gib, args.headroom)}, f, indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
