@@ -244,6 +244,7 @@ def test_view_lag_and_async_depth_together_are_refused():
     build(apply_overrides(default_config(), {"rollout.view": "lag=2", "rollout.async_depth": "1"}))
 
 
+@pytest.mark.slow
 def test_devices_the_engine_cannot_use_are_refused_at_start_up(session, monkeypatch):
   assert len(jax.local_devices()) == 1  # this test process: one CPU device, the trainer's
   with pytest.raises(UserError, match=r"rollout.devices='0' is the trainer's device .* needs its own"):

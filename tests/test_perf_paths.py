@@ -198,6 +198,7 @@ def test_attention_backend_choice_and_one_notice(requested, platform, dtype, hea
     assert len(got) == 1 and why in got[0] and "XLA" in got[0], got  # once, however often traced
 
 
+@pytest.mark.slow
 def test_cudnn_refusal_falls_back_to_xla_never_a_crash(random_params, notices, monkeypatch):
   """A bf16 model on a (stand-in) GPU picks cuDNN; this CPU's jax has no cuDNN, so tracing it fails
   and the forward and the gradient fall back to XLA with one notice, matching the XLA model."""
