@@ -24,6 +24,8 @@ PAIRS = [("qwen3-1.7b", "qwen3-0.6b"), ("qwen3-4b", "qwen3-1.7b"), ("qwen3-8b", 
          ("qwen3-8b", "qwen3-4b")]
 MESHES = {1: [(1, 1, 1)], 8: [(1, 8, 1), (2, 4, 1), (1, 4, 2)], 16: [(1, 16, 1), (2, 8, 1), (1, 8, 2)]}
 COMMON = dict(loss="sampled_rkl", chunk=128, dtype="bfloat16", remat="full")
+# The second workload is measured but not tabled: at 4096 tokens the CPU compile's attention keeps
+# [rows, heads, T, T] fp32 scores per layer, which a GPU's fused attention never holds (docs/scaling.md).
 WORKLOADS = [dict(batch=64, seq_len=1024, prompt_len=512, **COMMON),  # configs/qwen3_1p7b_to_0p6b.py
              dict(batch=256, seq_len=4096, prompt_len=1024, **COMMON)]  # long reasoning rollouts
 HBM = {"H100": 80, "H200": 141}
@@ -88,7 +90,7 @@ def markdown(path: str) -> str:
   with open(path) as f:
     results = [json.loads(line) for line in f if line.strip()]
   parts = []
-  for w in WORKLOADS:
+  for w in WORKLOADS[:1]:
     rows = [r for r in results if (r["plan"]["batch"], r["plan"]["seq_len"]) == (w["batch"], w["seq_len"])]
     if rows:
       parts.append(f"Batch {w['batch']} x {w['seq_len']} tokens (prompt {w['prompt_len']}), {w['loss']}, chunk"
@@ -129,7 +131,7 @@ def _tables(results: list[dict]) -> str:
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default="docs/scaling_results.jsonl")
-  ap.add_argument("--markdown", action="store_true", help="print the tables from --out and stop")
+  ap.add_argument("--markdown", action="store_true", help="print the tables from --out and stop (first workload)")
   args = ap.parse_args()
   if args.markdown:
     print(markdown(args.out))
