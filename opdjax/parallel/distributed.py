@@ -29,6 +29,7 @@ import numpy as np
 from opdjax.errors import UserError
 
 HEARTBEAT_S = 30  # JAX declares a silent process dead after this long (and aborts the others)
+_CONNECT_S = 120  # the watchdog connections, opened right after every process joined
 _BYE = b"bye\n"
 
 
@@ -124,15 +125,25 @@ class _Watchdog:
       server = socket.create_server(("", 0))
       host = host or (global_state.coordinator_address or "").rpartition(":")[0] or socket.gethostname()
       client.key_value_set(key, f"{host}:{server.getsockname()[1]}")
-      server.settimeout(HEARTBEAT_S)
-      for _ in range(self.n - 1):
-        conn, _ = server.accept()
-        self.peers[conn] = int(conn.recv(16).decode().strip())
-      server.close()
+      server.settimeout(_CONNECT_S)
+      try:
+        for _ in range(self.n - 1):
+          conn, _ = server.accept()
+          self.peers[conn] = int(conn.recv(16).decode().strip())
+      except OSError as e:
+        raise UserError(f"only {len(self.peers)} of the {self.n - 1} other processes opened the watchdog connection"
+                        f" to process 0 ({host}:{server.getsockname()[1]}) within {_CONNECT_S} s ({e}); check that"
+                        " the processes can reach each other on any TCP port.") from None
+      finally:
+        server.close()
     else:
-      addr = client.blocking_key_value_get(key, HEARTBEAT_S * 1000)
+      addr = client.blocking_key_value_get(key, _CONNECT_S * 1000)
       h, _, p = addr.rpartition(":")
-      conn = socket.create_connection((h, int(p)), timeout=HEARTBEAT_S)
+      try:
+        conn = socket.create_connection((h, int(p)), timeout=_CONNECT_S)
+      except OSError as e:
+        raise UserError(f"process {self.pid} cannot open the watchdog connection to process 0 at {addr} ({e});"
+                        " check that the processes can reach each other on any TCP port.") from None
       conn.sendall(f"{self.pid}\n".encode())
       self.peers[conn] = 0
     for conn in self.peers:
