@@ -73,7 +73,7 @@ def test_opd_and_grpo_runs_reuse_one_compiled_step(runner):
     for algo in ("opd", "grpo"):
       recs = train_run(runner, view, seed=0, algo=algo)
       assert [r["step"] for r in recs] == [0, 1, 2, 3]
-      assert [r.get("eval_step") for r in recs[1:]] == [None, 2, 3]  # evaluated at step 2 and at the end
+      assert [r["eval_step"] for r in recs[1:]] == [0, 2, 3]  # step 1 carries step 0's evaluation; 2 and 3 evaluated
       assert all(np.isfinite(r["grad_norm"]) for r in recs[1:])
       assert recs[-1]["params_lag"] == view.lag
       if view.noise_sigma:
