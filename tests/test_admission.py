@@ -84,10 +84,11 @@ def test_calibrate_then_admit_end_to_end(demo_cache, tmp_path, capsys, script):
   small = ["--config.task.num_eval=32", "--config.rollout.batch_size=16", "--config.calibrate.steps=4",
            "--config.calibrate.seeds=2",
            "--config.calibrate.eval_every=2", "--config.calibrate.warmup_steps=2", "--config.calibrate.num_prompts=32",
-           "--config.admit.bootstrap=200"]
+           "--config.admit.bootstrap=200", "--config.calibrate.force=true"]  # 4 steps cannot learn: forced
   views = "--config.calibrate.views=clean;noise_sigma=0.5;noise_sigma=3.0;lag=2"
   assert main(["calibrate", "--out", str(out), views, *small]) == 0
   budget = json.loads((out / "budget.json").read_text())
+  assert "did not improve" in budget["warning"]  # a forced budget says why it cannot be trusted
   points = {p["view"]: p for p in budget["points"]}
   assert points["clean"]["mismatch"] == 0.0
   assert 0 < points["noise_sigma=0.5"]["mismatch"] < points["noise_sigma=3.0"]["mismatch"]
