@@ -10,7 +10,7 @@
 #                        the sharded JAX engine samples on the trainer's mesh.
 #   VLLM_TP=t            tensor-parallel size of each sidecar (default 1): k / t sidecars
 #   TRAINER_PER=node|gpu one trainer process driving all its GPUs (default), or one process per GPU
-#                        (jax.distributed on 127.0.0.1:COORD_PORT; not with sidecars)
+#                        (jax.distributed on 127.0.0.1:COORD_PORT; process 0 drives the sidecars)
 #   COORD_PORT=8476
 # The trainer's mesh defaults to --config.mesh.fsdp=-1 (every trainer GPU); give --config.mesh.* to change it.
 set -euo pipefail
@@ -33,9 +33,6 @@ trainer_gpus=$((GPUS - vllm_gpus))
 (( trainer_gpus > 0 )) || die "VLLM_GPUS=$vllm_gpus leaves no GPU of $GPUS for the trainer."
 (( vllm_gpus % tp == 0 )) || die "VLLM_GPUS=$vllm_gpus is not a multiple of VLLM_TP=$tp."
 [[ "$trainer_per" == node || "$trainer_per" == gpu ]] || die "TRAINER_PER=$trainer_per: give node or gpu."
-if [[ "$trainer_per" == gpu ]] && (( vllm_gpus > 0 )); then
-  die "vLLM sidecars need a one-process trainer (the vLLM engine lives in it): TRAINER_PER=node."
-fi
 
 args=(--config "$config" --out "$out" "$@")
 [[ " $* " == *" --config.mesh."* ]] || args+=(--config.mesh.fsdp=-1)

@@ -19,7 +19,7 @@
 #   GPUS_PER_NODE          default: $SLURM_GPUS_ON_NODE, else 8
 #   NODES                  the node names (default: $SLURM_JOB_NODELIST expanded; for --dry-run: node0 node1 ...)
 #   NUM_NODES              default: $SLURM_JOB_NUM_NODES, else 2 for --dry-run
-# With sidecars the trainer is one process (the vLLM engine lives in it): one trainer node, TRAINER_PER=node.
+# With sidecars and several trainer processes, process 0 drives the sidecars and hands every process its rows.
 # Install once on the cluster: python3 -m venv .venv && . .venv/bin/activate && pip install -e . 'jax[cuda12]' vllm
 #SBATCH --job-name=opdjax-multinode
 #SBATCH --exclusive
@@ -66,10 +66,6 @@ fi
 (( trainer_gpus > 0 )) || die "no GPU is left for the trainer on its nodes."
 if [[ "$trainer_per" == gpu ]]; then per_node=$trainer_gpus; else per_node=1; fi
 nproc=$(( ${#trainer_nodes[@]} * per_node ))
-if (( ${#sidecar_nodes[@]} > 0 && nproc > 1 )); then
-  die "vLLM sidecars need a one-process trainer (the vLLM engine lives in it): use one trainer node with" \
-      "TRAINER_PER=node (e.g. VLLM_NODES=$((num_nodes - 1))), or no sidecars (the sharded JAX engine)."
-fi
 
 # GPUs: the trainer takes the first ones of a node, sidecars the last VLLM_GPUS_PER_NODE.
 trainer_visible=$(seq -s, 0 $((trainer_gpus - 1)))

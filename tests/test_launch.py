@@ -50,9 +50,15 @@ def test_slurm_multi_process_trainer_without_sidecars():
   assert "CUDA_VISIBLE_DEVICES=$SLURM_LOCALID" in cmds[0][-1]
 
 
-def test_slurm_refuses_sidecars_with_a_multi_process_trainer():
-  rc, cmds, err = dry("slurm_multinode.sh", NODES="a b", VLLM_GPUS_PER_NODE="2", VLLM_MODEL="/m")
-  assert rc == 2 and cmds == [] and "vLLM sidecars need a one-process trainer" in err
+def test_slurm_sidecars_on_a_share_of_every_trainer_node():
+  rc, cmds, err = dry("slurm_multinode.sh", NODES="a b", GPUS_PER_NODE="8", VLLM_GPUS_PER_NODE="2", VLLM_MODEL="/m")
+  assert rc == 0, err
+  sidecars, trainer = cmds[:-1], cmds[-1]
+  assert [(c[5], _opt(c, "--port")) for c in sidecars] == [("a", "8100"), ("a", "8101"), ("b", "8100"), ("b", "8101")]
+  assert all("CUDA_VISIBLE_DEVICES=6" in c or "CUDA_VISIBLE_DEVICES=7" in c for c in sidecars)  # the last 2 GPUs
+  inner = trainer[-1]  # two trainer processes on GPUs 0-5; process 0 drives the four sidecars
+  assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5" in inner and "--num-processes 2" in inner
+  assert "--config.rollout.vllm.urls=http://a:8100\\,http://a:8101\\,http://b:8100\\,http://b:8101" in inner
 
 
 def test_local_split_between_trainer_and_sidecars():

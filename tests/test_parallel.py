@@ -397,3 +397,86 @@ def test_multiprocess_flags_go_together(capsys):
 
   assert cli.main([*TRAIN, "--out", "x", "--coordinator", "127.0.0.1:1234"]) == 2
   assert "--coordinator HOST:PORT, --num-processes N and --process-id I go together" in capsys.readouterr().err
+
+
+def test_scheduler_detection_needs_several_tasks(monkeypatch):
+  from opdjax.parallel import distributed
+
+  for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    monkeypatch.delenv(var, raising=False)
+  assert distributed.detected_tasks() == 1
+  assert distributed.initialize() is False  # no flags, no scheduler: one process, nothing started
+  monkeypatch.setenv("SLURM_NTASKS", "1")
+  assert distributed.initialize() is False  # a one-task SLURM job (launch/slurm_opd.sh) stays single-process
+  monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+  monkeypatch.delenv("SLURM_NTASKS")
+  assert distributed.detected_tasks() == 4
+  with pytest.raises(UserError, match="--process-id 2 with --num-processes 2"):
+    distributed.initialize("127.0.0.1:1", 2, 2)
+
+
+PRIMARY_ENGINE = """
+import hashlib, json, sys
+import jax, numpy as np
+from opdjax.parallel import distributed
+distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), timeout_s=120)
+from opdjax.config.schema import MeshConfig
+from opdjax.models import Model
+from opdjax.models.config import ModelConfig
+from opdjax.parallel.mesh import make_mesh
+from opdjax.parallel.placement import Placement
+from opdjax.parallel.primary_engine import PrimaryEngine
+from opdjax.rollout import JaxEngine, SamplingParams
+
+mc = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=8, qk_norm=True, tie_word_embeddings=False, eos_token_id=-1)
+model = Model(mc)
+params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape), model.init(jax.random.key(0)))
+place = Placement(make_mesh(MeshConfig(fsdp=-1)))
+sharded = place.params(params)  # the trainer's params: global arrays over both processes
+prompts = [[3 + (7 * i) % 50, 5, 9 + i] for i in range(8)]
+sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
+engine = PrimaryEngine(lambda: JaxEngine(model, None, max_len=32, pad_id=0, eos_ids=()), place,
+                       JaxEngine.capabilities, pad_id=0)
+engine.sync(sharded, 3)
+r = engine.generate(prompts, sampling, seed=11)
+whole = place.host(r.completion_tokens)  # every process's rows, gathered (a collective: every process)
+whole_lp = place.host(r.rollout_logprobs)
+out = {"rows_here": int(sum(s.data.shape[0] for s in r.completion_tokens.addressable_shards)),
+       "devices": len(r.completion_tokens.sharding.device_set), "version": r.params_version,
+       "digest": hashlib.sha256(np.ascontiguousarray(whole).tobytes()).hexdigest(),
+       "varied": int(len(np.unique(whole)))}
+if engine.inner is not None:  # process 0: what its engine sampled, unsharded
+  ref = JaxEngine(model, jax.tree.map(np.asarray, params), max_len=32, pad_id=0, eos_ids=()).generate(
+      prompts, sampling, seed=11)
+  out["equal_to_direct"] = bool(np.array_equal(whole, np.asarray(ref.completion_tokens)))
+  out["lp_diff"] = float(np.abs(whole_lp - np.asarray(ref.rollout_logprobs)).max())
+distributed.finish()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_an_engine_in_process_0_serves_every_process(tmp_path):
+  """vLLM sidecars behind a 2-process trainer: process 0 samples, each process keeps its own rows."""
+  port = free_port()
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "2"}
+  logs = [tmp_path / f"p{i}.log" for i in range(2)]
+  procs = []
+  for i in range(2):
+    with open(logs[i], "w") as f:
+      procs.append(subprocess.Popen([sys.executable, "-c", PRIMARY_ENGINE, f"127.0.0.1:{port}", str(i)], cwd=ROOT,
+                                    env=env, stdout=f, stderr=subprocess.STDOUT))
+  try:
+    for p in procs:
+      p.wait(timeout=300)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert [p.returncode for p in procs] == [0, 0], logs[0].read_text()[-2000:] + logs[1].read_text()[-2000:]
+  a, b = (json.loads(log.read_text().strip().splitlines()[-1]) for log in logs)
+  assert a["equal_to_direct"] and a["lp_diff"] == 0.0 and a["varied"] > 5
+  assert a["digest"] == b["digest"]  # both processes hold parts of one rollout
+  assert a["rows_here"] == b["rows_here"] == 4 and a["devices"] == 4  # 8 rows: each process holds its half
+  assert a["version"] == b["version"] == 3

@@ -191,9 +191,6 @@ def check_multiprocess(cfg) -> None:
   if cfg.rollout.async_depth:
     raise UserError(f"rollout.async_depth={cfg.rollout.async_depth} with {jax.process_count()} processes: the"
                     " asynchronous producer runs in one process; use rollout.async_depth=0 for multi-process runs.")
-  if cfg.rollout.engine != "jax":
-    raise UserError(f"rollout.engine={cfg.rollout.engine!r} with {jax.process_count()} processes: multi-process runs"
-                    " sample with the sharded JAX engine; run vLLM sidecars with a single trainer process.")
   if (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, 1, 1):
     raise UserError(f"mesh data=1 fsdp=1 tensor=1 uses one device, but the run has {jax.process_count()} processes:"
                     " set the mesh over every device, e.g. --config.mesh.fsdp=-1.")

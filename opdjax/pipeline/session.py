@@ -35,6 +35,7 @@ class EnginePool:
   def __init__(self, cfg: Config, student: Model, student_params, task, out_dir: str | None,
                placement: Placement | None = None):
     self.cfg, self.student, self.student_params, self.task, self.out_dir = cfg, student, student_params, task, out_dir
+    self.placement = placement
     self.jax = EngineCache(max_len=cfg.rollout.max_len, pad_id=task.pad_id, eos_ids=task.eos_ids, placement=placement)
     self._engines: dict = {}
 
@@ -54,9 +55,19 @@ class EnginePool:
     if self.out_dir is None:
       raise UserError("rollout.engine='vllm' needs an output folder for the server's log and weights.")
     r = self.cfg.rollout
-    return make_vllm_engine(r.vllm, self.student.cfg, self.student_params, max_len=r.max_len,
-                            batch_size=r.batch_size, max_new_tokens=r.max_new_tokens, pad_id=self.task.pad_id,
-                            eos_ids=self.task.eos_ids, out_dir=self.out_dir)
+
+    def make(params):
+      return make_vllm_engine(r.vllm, self.student.cfg, params, max_len=r.max_len, batch_size=r.batch_size,
+                              max_new_tokens=r.max_new_tokens, pad_id=self.task.pad_id, eos_ids=self.task.eos_ids,
+                              out_dir=self.out_dir)
+
+    if jax.process_count() > 1:  # one vLLM engine, in process 0, for the trainer's every process
+      from opdjax.parallel.primary_engine import PrimaryEngine
+      from opdjax.rollout.vllm.engine import VllmEngineBase
+
+      params = self.placement.host_tree(self.student_params)  # a collective: every process takes part
+      return PrimaryEngine(lambda: make(params), self.placement, VllmEngineBase.capabilities, self.task.pad_id)
+    return make(self.student_params)
 
   def close(self) -> None:
     for engine in self._engines.values():
