@@ -35,7 +35,7 @@ def main():
 
   from opdjax.models import Model, ModelConfig
   from opdjax.rollout import JaxEngine, SamplingParams
-  from opdjax.rollout.vllm import make_vllm_engine
+  from opdjax.rollout.factory import make_vllm_engine
 
   s = SPEC
   cfg = ModelConfig(model_type="qwen3", vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],

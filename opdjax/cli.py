@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     overrides = _split_overrides(extra)
     if args.command in ("train", "demo"):  # before anything starts a JAX backend
-      from opdjax.parallel import distributed
+      from opdjax.pipeline import distributed
       distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.coordinator_timeout)
     if args.command == "admit":  # admit runs on the config stored in its budget.json
       from opdjax.analyses import admission

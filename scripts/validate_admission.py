@@ -24,6 +24,7 @@ from opdjax.analyses.sweep import final_quality, sweep_config, train_run
 from opdjax.config.defaults import default_config
 from opdjax.config.loader import apply_overrides, load_config_file
 from opdjax.config.schema import build
+from opdjax.pipeline.budget import load_budget
 from opdjax.pipeline.session import Session
 from opdjax.views.view import EngineView
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     else:
       base = load_config_file(args.config) if args.config else default_config()
       admission.calibrate(build(apply_overrides(base, _split_overrides(extra))), os.path.dirname(budget_path))
-  budget = admission.load_budget(budget_path)
+  budget = load_budget(budget_path)
   cands_path = args.candidates or os.path.join(args.out, "candidates.txt")
   if not args.candidates:
     reporting.write_text(cands_path, CANDIDATES)

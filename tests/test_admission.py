@@ -8,6 +8,7 @@ import pytest
 from opdjax.analyses import admission
 from opdjax.cli import main
 from opdjax.errors import UserError
+from opdjax.pipeline.budget import load_budget
 
 pytestmark = pytest.mark.slow  # calibration and admission runs: the full suite runs them
 
@@ -72,10 +73,10 @@ def test_bad_candidate_files(tmp_path, text, msg):
 
 def test_bad_budget_files(tmp_path):
   with pytest.raises(UserError, match="opdjax calibrate"):
-    admission.load_budget(str(tmp_path / "missing.json"))
+    load_budget(str(tmp_path / "missing.json"))
   (tmp_path / "cut.json").write_text('{"format": 1, "bud')
   with pytest.raises(UserError, match="not valid JSON"):
-    admission.load_budget(str(tmp_path / "cut.json"))
+    load_budget(str(tmp_path / "cut.json"))
 
 
 @pytest.mark.slow

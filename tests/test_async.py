@@ -24,6 +24,7 @@ from opdjax.pipeline.guard import GuardHook
 from opdjax.pipeline.hooks import EvalHook
 from opdjax.pipeline.loop import Hook, run_loop
 from opdjax.pipeline.session import Session
+from opdjax.rollout.cache import EngineCache
 from opdjax.scoring.rescore import batch_from_rollout
 from opdjax.training.step import TrainState
 from opdjax.views.view import EngineView
@@ -152,7 +153,7 @@ def test_bounded_mode_runs_free_within_the_depth(session, monkeypatch):
   """A slow trainer: the producer runs ahead to the bound (lag = k). A slow producer: it samples with
   the newest version (lag 1 < k). Never beyond k either way; every step once."""
   ahead = run_loop(session, steps=8, hooks=[_Sleep(0.2)], async_depth=2, async_mode="bounded").records
-  engine_generate = async_sampler.EngineCache.get
+  engine_generate = EngineCache.get
 
   def slow_engine(self, model):
     engine = engine_generate(self, model)
@@ -161,10 +162,11 @@ def test_bounded_mode_runs_free_within_the_depth(session, monkeypatch):
       engine.generate = lambda *a, **kw: (time.sleep(0.2), engine._fast_generate(*a, **kw))[1]
     return engine
 
-  monkeypatch.setattr(async_sampler.EngineCache, "get", slow_engine)
-  async_sampler._ENGINES.pop(session, None)  # a fresh producer engine, slowed
+  monkeypatch.setattr(EngineCache, "get", slow_engine)
+  producer = async_sampler.engine_device("", jax.devices()[0], "jax")
+  session.engines.drop(producer)  # a fresh producer engine, slowed
   behind = run_loop(session, steps=8, async_depth=2, async_mode="bounded").records
-  async_sampler._ENGINES.pop(session, None)
+  session.engines.drop(producer)
   for recs in (ahead, behind):
     assert [r["step"] for r in recs] == list(range(1, 9))
     assert all(0 <= r["params_lag"] <= 2 and r["params_version"] <= r["step"] - 1 for r in recs)
@@ -259,7 +261,7 @@ def test_devices_the_engine_cannot_use_are_refused_at_start_up(session, monkeypa
 # --- the mismatch guard --------------------------------------------------------------------------
 
 def _budget(tmp_path, value, student="", **rollout):
-  from opdjax.analyses.admission import BUDGET_FORMAT
+  from opdjax.pipeline.budget import BUDGET_FORMAT
 
   cfg = Config().to_dict()
   cfg["rollout"].update(rollout)
@@ -272,7 +274,7 @@ def _budget(tmp_path, value, student="", **rollout):
 
 @pytest.fixture(scope="module")
 def fingerprint(session):
-  from opdjax.analyses.admission import params_fingerprint
+  from opdjax.pipeline.budget import params_fingerprint
 
   return params_fingerprint(session.student_params)
 

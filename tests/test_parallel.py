@@ -120,7 +120,7 @@ from opdjax.models.config import ModelConfig
 from opdjax.parallel.placement import Placement
 from opdjax.parallel.mesh import make_mesh
 from opdjax.rollout import JaxEngine, SamplingParams
-from opdjax.training.step import OptimConfig, make_optimizer
+from opdjax.training.step import OptimConfig, create_state, make_optimizer
 
 assert jax.device_count() == 4
 mc = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -142,7 +142,7 @@ for name, cfg in {"fsdp4": MeshConfig(fsdp=4), "data2_fsdp2": MeshConfig(data=2,
                   "fsdp2_tensor2": MeshConfig(fsdp=2, tensor=2)}.items():
   pl = Placement(make_mesh(cfg))
   r, r2, e, p = run(pl)
-  state = pl.create_state(p, make_optimizer(OptimConfig()))
+  state = create_state(pl, p, make_optimizer(OptimConfig()))
   mu = state.opt_state[1][0].mu["layers"]["mlp"]["up_proj"]["kernel"]
   out[name] = {
     "tokens_equal": bool(np.array_equal(r.completion_tokens, base.completion_tokens)
@@ -400,7 +400,7 @@ def test_multiprocess_flags_go_together(capsys):
 
 
 def test_scheduler_detection_needs_several_tasks(monkeypatch):
-  from opdjax.parallel import distributed
+  from opdjax.pipeline import distributed
 
   for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
     monkeypatch.delenv(var, raising=False)
@@ -418,14 +418,14 @@ def test_scheduler_detection_needs_several_tasks(monkeypatch):
 PRIMARY_ENGINE = """
 import hashlib, json, sys
 import jax, numpy as np
-from opdjax.parallel import distributed
+from opdjax.pipeline import distributed
 distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), timeout_s=120)
 from opdjax.config.schema import MeshConfig
 from opdjax.models import Model
 from opdjax.models.config import ModelConfig
 from opdjax.parallel.mesh import make_mesh
 from opdjax.parallel.placement import Placement
-from opdjax.parallel.primary_engine import PrimaryEngine
+from opdjax.rollout.primary import PrimaryEngine
 from opdjax.rollout import JaxEngine, SamplingParams
 
 mc = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

@@ -28,13 +28,13 @@ import pytest
 
 from opdjax.models import Model, ModelConfig, save_hf_params
 from opdjax.rollout import PromptTooLongError, SamplingParams
+from opdjax.rollout.factory import make_vllm_engine
 from opdjax.rollout.vllm import (
   VllmEngine,
   VllmError,
   VllmInProcessEngine,
   VllmServer,
   first_error_block,
-  make_vllm_engine,
   prompt_seeds,
   waves,
 )

@@ -15,7 +15,8 @@ from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig
 from opdjax.rollout import SamplingParams
-from opdjax.rollout.vllm import make_vllm_engine, prompt_seeds
+from opdjax.rollout.factory import make_vllm_engine
+from opdjax.rollout.vllm import prompt_seeds
 from opdjax.rollout.vllm.client import ServerInfo, VllmError
 from opdjax.rollout.vllm.multi import MultiVllmEngine, shares
 

@@ -22,12 +22,9 @@ mismatch (every view with less mismatch passed).
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import os
 import time
 
-import jax
 import ml_collections
 import numpy as np
 
@@ -37,12 +34,12 @@ from opdjax.analyses.sweep import final_quality, sweep_config, train_run
 from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
 from opdjax.models.quant import QuantFormat
+from opdjax.pipeline.budget import BUDGET_FORMAT, load_budget, params_fingerprint
 from opdjax.pipeline.checkpoint import package_versions
 from opdjax.pipeline.session import Session
 from opdjax.progress import bar as progress_bar
 from opdjax.views.view import EngineView
 
-BUDGET_FORMAT = 1
 QUALITY = {"reverse_kl": +1, "accuracy": -1}  # sign of "worse" (reverse KL up, accuracy down)
 
 
@@ -52,18 +49,9 @@ def require_clean(views: list[EngineView], what: str) -> list[EngineView]:
   return views
 
 
-
-
 def family(view: EngineView) -> str:
   names = list(view.sources())
   return names[0] if len(names) == 1 else ("clean" if not names else "+".join(names))
-
-
-def params_fingerprint(params) -> str:
-  h = hashlib.sha256()
-  for x in jax.tree.leaves(params):
-    h.update(np.asarray(x, np.float32).tobytes())
-  return h.hexdigest()[:16]
 
 
 def bootstrap_interval(kl_BxL: np.ndarray, mask_BxL: np.ndarray, n: int, confidence: float, seed: int = 0):
@@ -266,19 +254,6 @@ def read_candidates(path: str) -> list[tuple[str, EngineView]]:
   if len(set(names)) != len(names):
     raise UserError(f"{path}: candidate names repeat ({', '.join(sorted({n for n in names if names.count(n) > 1}))}).")
   return out
-
-
-def load_budget(path: str) -> dict:
-  if not os.path.exists(path):
-    raise UserError(f"budget file {path} does not exist; write one with `opdjax calibrate --out DIR`.")
-  try:
-    with open(path) as f:
-      budget = json.load(f)
-  except json.JSONDecodeError as e:
-    raise UserError(f"{path} is not valid JSON ({e}); re-run `opdjax calibrate`.") from None
-  if budget.get("format") != BUDGET_FORMAT or "budget" not in budget:
-    raise UserError(f"{path} is not a budget.json of this opdjax (format {BUDGET_FORMAT}); re-run `opdjax calibrate`.")
-  return budget
 
 
 def admit(budget_path: str, candidates_path: str, out_dir: str | None = None, overrides: dict | None = None,

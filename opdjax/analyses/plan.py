@@ -99,9 +99,9 @@ def measure(plan: Plan) -> dict:
   from opdjax.parallel.mesh import check_fits, make_mesh
   from opdjax.parallel.placement import Placement
   from opdjax.rollout.base import SamplingParams
-  from opdjax.rollout.jax_engine import _generate
+  from opdjax.rollout.jax_engine import generate_loop
   from opdjax.training.loss import LossConfig
-  from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step
+  from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step, train_step_shardings
 
   if jax.device_count() != plan.devices:
     raise RuntimeError(f"the worker sees {jax.device_count()} devices, the plan wants {plan.devices}")
@@ -116,7 +116,7 @@ def measure(plan: Plan) -> dict:
   s_params = jax.eval_shape(student.init, jax.random.key(0))
   t_params = jax.eval_shape(teacher.init, jax.random.key(0))
   optimizer = make_optimizer(OptimConfig())
-  (state_sh, teacher_sh, batch_sh), _ = place.train_step_shardings(s_params, t_params, optimizer)
+  (state_sh, teacher_sh, batch_sh), _ = train_step_shardings(place, s_params, t_params, optimizer)
   state = _with_shardings(jax.eval_shape(lambda p: TrainState.create(p, optimizer), s_params), state_sh)
   t_params = _with_shardings(t_params, teacher_sh)
   length = plan.seq_len - 1
@@ -124,7 +124,7 @@ def measure(plan: Plan) -> dict:
            "loss_mask": jnp.float32, "rollout_logprobs": jnp.float32}
   batch = {k: jax.ShapeDtypeStruct((plan.batch, length), dt, sharding=batch_sh) for k, dt in kinds.items()}
   step = make_train_step(student, teacher, LossConfig(kind=plan.loss, chunk=plan.chunk), optimizer,
-                         shardings=place.train_step_shardings(s_params, t_params, optimizer))
+                         shardings=train_step_shardings(place, s_params, t_params, optimizer))
   t0 = time.perf_counter()
   train = _memory(step.lower(state, t_params, batch).compile())
   train_s = time.perf_counter() - t0
@@ -146,7 +146,7 @@ def measure(plan: Plan) -> dict:
   prompt = jax.ShapeDtypeStruct((plan.batch, plan.prompt_len), jnp.int32, sharding=rows)
   prompt_mask = jax.ShapeDtypeStruct((plan.batch, plan.prompt_len), jnp.bool_, sharding=rows)
   sampling = SamplingParams(max_new_tokens=plan.seq_len - plan.prompt_len)
-  fn = jax.jit(functools.partial(_generate, model=student, sampling=sampling, eos_ids=(), pad_id=0),
+  fn = jax.jit(functools.partial(generate_loop, model=student, sampling=sampling, eos_ids=(), pad_id=0),
                donate_argnames=("cache",), **place.generate_jit_kw())
   t0 = time.perf_counter()
   rollout = _memory(fn.lower(e_params, cache, prompt, prompt_mask, jax.random.key(0)).compile())

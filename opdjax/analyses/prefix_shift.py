@@ -279,7 +279,7 @@ def run(cfg: Config, out_dir: str | None = None, progress: bool = True) -> dict:
   params = state.params
   loss_cfg = cfg.loss
   ps = PrefixShift(student, teacher, sampling, max_len=cfg.rollout.max_len, pad_id=task.pad_id, eos_ids=task.eos_ids,
-                   is_threshold=loss_cfg.is_threshold, chunk=loss_cfg.chunk, engines=session.engines.jax,
+                   is_threshold=loss_cfg.is_threshold, chunk=loss_cfg.chunk, engines=session.engines.jax_cache(),
                    views=session.views)
   prompts = task.eval_set()[0][: pc.num_prompts]
   clean = ps.rollout(student, params, prompts, pc.seed)

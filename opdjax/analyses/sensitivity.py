@@ -44,7 +44,8 @@ from opdjax.errors import UserError
 from opdjax.models import quant
 from opdjax.models.decoder import Model
 from opdjax.progress import bar as progress_bar
-from opdjax.rollout import JaxEngine, SamplingParams
+from opdjax.rollout import SamplingParams
+from opdjax.rollout.factory import jax_engine
 from opdjax.rollout.sampling import sampling_logprobs
 from opdjax.scoring.rescore import TrainBatch, batch_from_rollout, chunked_over_positions, masked_mean
 from opdjax.views import perturb
@@ -155,7 +156,7 @@ class Scorer:
 def sample_tokens(model: Model, params, prompts, sampling: SamplingParams, seed: int, max_len: int, pad_id: int,
                   eos_ids) -> TrainBatch:
   """The clean model's completions as a batch for re-scoring; `loss_mask` covers the completions `[B, N]`."""
-  engine = JaxEngine(model, params, max_len=max_len, pad_id=pad_id, eos_ids=eos_ids)
+  engine = jax_engine(model, params, max_len=max_len, pad_id=pad_id, eos_ids=eos_ids)
   rollout = engine.generate(prompts, sampling, seed=seed)
   full = batch_from_rollout(rollout)
   start = rollout.prompt_tokens.shape[1] - 1  # position P - 1 predicts the first completion token

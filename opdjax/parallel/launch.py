@@ -16,7 +16,7 @@ import sys
 
 
 def sidecar_command(cfg, model: str, port: int, tp: int, out_dir: str) -> list[str]:
-  from opdjax.rollout.vllm.engine import make_vllm_server
+  from opdjax.rollout.factory import make_vllm_server
 
   vcfg = dataclasses.replace(cfg.rollout.vllm, tensor_parallel_size=tp, gpus="")
   server = make_vllm_server(vcfg, model, max_len=cfg.rollout.max_len, batch_size=cfg.rollout.batch_size,

@@ -1,6 +1,7 @@
 """Where a run's arrays live: on one device (no mesh: today's unsharded path, unchanged), or sharded
-over a mesh by opdjax.parallel.rules. The Session holds one Placement; the train step, the train
-state, the teacher, the JAX engines and the held-out evaluation all place their arrays through it.
+over a mesh by opdjax.parallel.rules. The Session holds one Placement; the train step (opdjax.training.step:
+`create_state`, `train_step_shardings`), the teacher, the JAX engines and the held-out evaluation
+all place their arrays through it.
 
 Multi-process: every array is a global `jax.Array`; a process builds only the rows of a batch its
 devices hold (`rows`, `batch`), and reads a whole array to the host only through `host`, a
@@ -10,7 +11,6 @@ collective every process calls at the same point of the same loop.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +20,6 @@ from jax.sharding import Mesh, NamedSharding
 
 from opdjax.parallel import rules
 from opdjax.parallel.mesh import check_fits, is_single_device, make_mesh
-
-if TYPE_CHECKING:
-  from opdjax.training.step import TrainState
 
 
 class Placement:
@@ -68,30 +65,6 @@ class Placement:
 
   def state_shardings(self, state):
     return rules.mirrored_shardings(state, state.params, self.mesh)
-
-  def create_state(self, params, optimizer) -> TrainState:
-    """A fresh TrainState from (placed) `params`, created directly sharded: the optimizer's moments
-    are born on the devices that own them, never whole on one device. Never aliases `params`."""
-    from opdjax.training.step import TrainState  # the engines import this module; the step imports them
-
-    if self.mesh is None:  # the step donates its state: never the caller's own params
-      return TrainState.create(jax.tree.map(jnp.copy, params), optimizer)
-
-    def create(p):
-      return TrainState.create(p, optimizer)
-
-    shardings = self.state_shardings(jax.eval_shape(create, params))
-    return jax.jit(create, out_shardings=shardings)(params)
-
-  def train_step_shardings(self, params, teacher_params, optimizer):
-    """(in_shardings, out_shardings) of `train_step(state, teacher_params, batch)`, or None."""
-    from opdjax.training.step import TrainState
-
-    if self.mesh is None:
-      return None
-    state = self.state_shardings(jax.eval_shape(lambda p: TrainState.create(p, optimizer), params))
-    teacher = rules.param_shardings(teacher_params, self.mesh)
-    return (state, teacher, NamedSharding(self.mesh, rules.BATCH)), (state, rules.replicated(self.mesh))
 
   # --- batches ---
 

@@ -1,6 +1,6 @@
 """Partition rules: every sharding choice for params, optimizer state, batches and the KV cache.
 
-A parameter's path is its module path as in opdjax.views.perturb with the leaf name appended and
+A parameter's path is its module path as in opdjax.paths with the leaf name appended and
 the stacked layer axis written `*` (`layers.*.mlp.down_proj.kernel`, `embed_tokens.embedding`);
 `RULES` maps shell patterns of it to a PartitionSpec of ONE layer's tensor (the stacked `[L]` axis
 is never sharded: the layer scan slices it). First match wins.
@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from opdjax.errors import UserError
 from opdjax.parallel.mesh import BATCH_AXES
-from opdjax.views.perturb import STACKED, module_path
+from opdjax.paths import STACKED, module_path
 
 RULES: tuple[tuple[str, P], ...] = (
     ("layers.*.self_attn.[qkv]_proj.kernel", P("fsdp", "tensor")),  # [D, heads * E]

@@ -29,7 +29,6 @@ import contextlib
 import sys
 import threading
 import time
-import weakref
 
 import jax
 import numpy as np
@@ -38,15 +37,9 @@ from opdjax import seeds
 from opdjax.errors import UserError
 from opdjax.pipeline.session import Session
 from opdjax.pipeline.stages import Clock, Sample, check_group, step_prompts
-from opdjax.rollout.cache import EngineCache
 from opdjax.views.view import EngineView
 
 MODES = ("exact", "bounded")
-
-# Producer JAX engines, per session and device: a session's runs (sweeps, time_to_quality) compile
-# the decode loop once per device, and a KV cache never moves between devices.
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def free_bytes(device) -> int | None:
   """Free memory of `device` in bytes, None where the runtime does not report it (CPU)."""
@@ -173,16 +166,11 @@ class AsyncSampler:
     if view.lag:
       raise UserError(f"rollout.view={view} has a lag and rollout.async_depth={self.depth} is set: give the staleness"
                       f" once (async_depth={view.lag} samples with params {view.lag} steps old, as lag={view.lag}).")
+    # The session's pool keeps the producer's engines per device: a session's runs (sweeps,
+    # time_to_quality) compile the decode loop once per device.
     s = self.session
-    if s.cfg.rollout.engine == "jax":
-      caches = _ENGINES.setdefault(s, {})
-      if self.device not in caches:
-        caches[self.device] = EngineCache(max_len=s.cfg.rollout.max_len, pad_id=s.task.pad_id, eos_ids=s.task.eos_ids)
-      engine = caches[self.device].get(view.model(s.student))
-      engine.check_view(view)
-    else:
-      engine = s.engines.get(view)
-    self.view, self.engine = view, engine
+    self.view = view
+    self.engine = s.engines.get(view, device=self.device if s.cfg.rollout.engine == "jax" else None)
 
   # --- the trainer's side ---
 

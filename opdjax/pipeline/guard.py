@@ -21,6 +21,7 @@ import collections
 import math
 
 from opdjax.errors import UserError
+from opdjax.pipeline.budget import load_budget, params_fingerprint
 from opdjax.pipeline.loop import Hook, Loop
 from opdjax.views.view import EngineView
 
@@ -38,7 +39,6 @@ class GuardHalt(UserError):
 def load_run_budget(path: str, session) -> float:
   """The budget (exact KL per token) of `path`, refused when it does not fit this run: missing,
   malformed, calibrated on another student or with other sampling settings."""
-  from opdjax.analyses.admission import load_budget, params_fingerprint
 
   budget = load_budget(path)  # missing, not JSON, or not a budget.json of this opdjax: one error each
   value = budget["budget"]

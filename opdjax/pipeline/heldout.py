@@ -8,7 +8,8 @@ import jax
 
 from opdjax import seeds
 from opdjax.models import Model
-from opdjax.rollout import JaxEngine, Rollout, SamplingParams
+from opdjax.rollout import Rollout, SamplingParams
+from opdjax.rollout.factory import jax_engine
 from opdjax.scoring.rescore import batch_from_rollout
 from opdjax.training.loss import LossConfig
 from opdjax.training.step import opd_loss
@@ -22,7 +23,7 @@ class HeldOut:
                engine_kw: dict):
     self.loss = jax.jit(functools.partial(opd_loss, student=student, teacher=teacher,
                                           loss_cfg=LossConfig(kind="full_rkl", chunk=chunk)))
-    self.engine = JaxEngine(student, None, **engine_kw)
+    self.engine = jax_engine(student, **engine_kw)
     self.prompts, self.refs = task.eval_set()
     self.task, self.sampling, self.seed = task, sampling, seeds.derive(seed, 0, "eval")
     self.greedy = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=0.0)

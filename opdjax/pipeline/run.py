@@ -20,9 +20,9 @@ import jax
 from opdjax.config.schema import Config, flat
 from opdjax.errors import UserError
 from opdjax.models.fetch import resolve
-from opdjax.parallel.distributed import barrier, check_multiprocess
 from opdjax.pipeline import hooks as H
 from opdjax.pipeline.checkpoint import TOKENIZER_FILES, RunCheckpointer, package_versions
+from opdjax.pipeline.distributed import barrier, check_multiprocess
 from opdjax.pipeline.guard import GuardHook, load_run_budget
 from opdjax.pipeline.loop import Loop, run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir

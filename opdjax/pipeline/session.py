@@ -19,61 +19,60 @@ from opdjax.pipeline.build import load_model, make_task
 from opdjax.pipeline.heldout import HeldOut
 from opdjax.rollout import RolloutEngine
 from opdjax.rollout.cache import EngineCache
+from opdjax.rollout.factory import make_engine
 from opdjax.scoring.mismatch import exact_kl
 from opdjax.scoring.rescore import batch_from_rollout, masked_mean
-from opdjax.training.step import make_optimizer, make_train_step
+from opdjax.training.step import create_state, make_optimizer, make_train_step, train_step_shardings
 from opdjax.views.view import EngineView, ViewTransform
 
 ALGOS = ("opd", "grpo")
 
 
 class EnginePool:
-  """One engine per engine-view model (compute dtype, KV and activation rounding): views that differ
-  only in weights, noise or lag share an engine and its compiled decode loop. With
-  rollout.engine='vllm', one vLLM engine serves every view it can realise."""
+  """Every engine of a Session, built by opdjax.rollout.factory: one JAX engine per engine-view model
+  (compute dtype, KV and activation rounding) and placement, so views that differ only in weights,
+  noise or lag share an engine and its compiled decode loop; with rollout.engine='vllm', one vLLM
+  engine serves every view it can realise. `device`: the asynchronous producer's own device (its
+  engines and KV caches never move between devices)."""
 
   def __init__(self, cfg: Config, student: Model, student_params, task, out_dir: str | None,
                placement: Placement | None = None):
     self.cfg, self.student, self.student_params, self.task, self.out_dir = cfg, student, student_params, task, out_dir
     self.placement = placement
-    self.jax = EngineCache(max_len=cfg.rollout.max_len, pad_id=task.pad_id, eos_ids=task.eos_ids, placement=placement)
-    self._engines: dict = {}
+    self._jax: dict = {}  # device (None: the session's placement) -> EngineCache
+    self._vllm: RolloutEngine | None = None
 
-  def get(self, view: EngineView) -> RolloutEngine:
+  def jax_cache(self, device=None) -> EngineCache:
+    """The JAX engines on the session's placement (`device` None) or on one producer device."""
+    if device not in self._jax:
+      self._jax[device] = EngineCache(max_len=self.cfg.rollout.max_len, pad_id=self.task.pad_id,
+                                      eos_ids=self.task.eos_ids, placement=self.placement if device is None else None)
+    return self._jax[device]
+
+  def get(self, view: EngineView, device=None) -> RolloutEngine:
     if self.cfg.rollout.engine == "jax":
-      engine = self.jax.get(view.model(self.student))
+      engine = self.jax_cache(device).get(view.model(self.student))
     else:
-      if "vllm" not in self._engines:
-        self._engines["vllm"] = self._vllm()
-      engine = self._engines["vllm"]
+      if self._vllm is None:
+        self._vllm = make_engine(self.cfg.rollout, self.student, self.student_params, pad_id=self.task.pad_id,
+                                 eos_ids=self.task.eos_ids, placement=self.placement, out_dir=self.out_dir)
+      engine = self._vllm
     engine.check_view(view)
     return engine
 
-  def _vllm(self) -> RolloutEngine:
-    from opdjax.rollout.vllm import make_vllm_engine
-
-    if self.out_dir is None:
-      raise UserError("rollout.engine='vllm' needs an output folder for the server's log and weights.")
-    r = self.cfg.rollout
-
-    def make(params):
-      return make_vllm_engine(r.vllm, self.student.cfg, params, max_len=r.max_len, batch_size=r.batch_size,
-                              max_new_tokens=r.max_new_tokens, pad_id=self.task.pad_id, eos_ids=self.task.eos_ids,
-                              out_dir=self.out_dir)
-
-    if jax.process_count() > 1:  # one vLLM engine, in process 0, for the trainer's every process
-      from opdjax.parallel.primary_engine import PrimaryEngine
-      from opdjax.rollout.vllm.engine import VllmEngineBase
-
-      params = self.placement.host_tree(self.student_params)  # a collective: every process takes part
-      return PrimaryEngine(lambda: make(params), self.placement, VllmEngineBase.capabilities, self.task.pad_id)
-    return make(self.student_params)
+  def drop(self, device) -> None:
+    """Closes and forgets the JAX engines on `device` (the next `get` there builds fresh ones)."""
+    cache = self._jax.pop(device, None)
+    if cache is not None:
+      cache.close()
 
   def close(self) -> None:
-    for engine in self._engines.values():
-      engine.close()
-    self._engines.clear()
-    self.jax.close()
+    if self._vllm is not None:
+      self._vllm.close()
+      self._vllm = None
+    for cache in self._jax.values():
+      cache.close()
+    self._jax.clear()
 
 
 class Session:
@@ -121,7 +120,8 @@ class Session:
     if algo not in self._steps:
       skip = self.cfg.train.on_nonfinite == "skip"
       if algo == "opd":
-        shardings = self.placement.train_step_shardings(self.student_params, self.teacher_params, self.optimizer(algo))
+        shardings = train_step_shardings(self.placement, self.student_params, self.teacher_params,
+                                        self.optimizer(algo))
         self._steps[algo] = make_train_step(self.student, self.teacher, self.cfg.loss, self.optimizer(algo),
                                             skip_nonfinite=skip, sampling=self.sampling, shardings=shardings)
       else:
@@ -134,7 +134,7 @@ class Session:
   def new_state(self, algo: str = "opd"):
     """A fresh TrainState of the student, placed as the step wants it (sharded on a mesh); never
     aliases the session's params, which the step would donate."""
-    return self.placement.create_state(self.student_params, self.optimizer(algo))
+    return create_state(self.placement, self.student_params, self.optimizer(algo))
 
   def grpo_config(self):
     from opdjax.training import grpo

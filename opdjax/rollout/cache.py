@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from opdjax.models.decoder import Model
+from opdjax.rollout.factory import jax_engine
 from opdjax.rollout.jax_engine import JaxEngine
 
 
@@ -17,8 +18,8 @@ class EngineCache:
 
   def get(self, model: Model) -> JaxEngine:
     if model.cfg not in self._engines:
-      self._engines[model.cfg] = JaxEngine(model, None, max_len=self.max_len, pad_id=self.pad_id, eos_ids=self.eos_ids,
-                                           placement=self.placement)
+      self._engines[model.cfg] = jax_engine(model, max_len=self.max_len, pad_id=self.pad_id, eos_ids=self.eos_ids,
+                                            placement=self.placement)
     return self._engines[model.cfg]
 
   def close(self) -> None:

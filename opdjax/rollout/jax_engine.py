@@ -71,8 +71,8 @@ def decode_step(params, cache, tokens_B, positions_B, kv_mask_BxS, *, model: Mod
   return model.logits(params, h[:, 0]), cache
 
 
-def _generate(params, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
-              sampling: SamplingParams, eos_ids: tuple[int, ...], pad_id: int):
+def generate_loop(params, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
+                  sampling: SamplingParams, eos_ids: tuple[int, ...], pad_id: int):
   b, p = prompt_BxP.shape
   n = sampling.max_new_tokens
   positions = positions_from_mask(prompt_mask_BxP)
@@ -158,7 +158,7 @@ class JaxEngine(RolloutEngine):
 
   def _fn(self, sampling: SamplingParams):
     if sampling not in self._compiled:
-      fn = functools.partial(_generate, model=self.model, sampling=sampling,
+      fn = functools.partial(generate_loop, model=self.model, sampling=sampling,
                              eos_ids=self.eos_ids, pad_id=self.pad_id)
       self._compiled[sampling] = jax.jit(fn, donate_argnames=("cache",), **self.placement.generate_jit_kw())
     return self._compiled[sampling]

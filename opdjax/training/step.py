@@ -9,9 +9,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
 from opdjax.errors import UserError
 from opdjax.models.decoder import Model
+from opdjax.parallel import rules
+from opdjax.parallel.activations import traced_on
+from opdjax.parallel.placement import Placement
 from opdjax.rollout.base import SamplingParams
 from opdjax.scoring.mismatch import sampled_metrics
 from opdjax.scoring.rescore import TrainBatch, masked_mean
@@ -52,6 +56,29 @@ class TrainState:
   @classmethod
   def create(cls, params, optimizer: optax.GradientTransformation) -> TrainState:
     return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def create_state(placement: Placement, params, optimizer: optax.GradientTransformation) -> TrainState:
+  """A fresh TrainState from (placed) `params`, created directly sharded: the optimizer's moments
+  are born on the devices that own them, never whole on one device. Never aliases `params`."""
+  if placement.mesh is None:  # the step donates its state: never the caller's own params
+    return TrainState.create(jax.tree.map(jnp.copy, params), optimizer)
+
+  def create(p):
+    return TrainState.create(p, optimizer)
+
+  shardings = placement.state_shardings(jax.eval_shape(create, params))
+  return jax.jit(create, out_shardings=shardings)(params)
+
+
+def train_step_shardings(placement: Placement, params, teacher_params, optimizer):
+  """(in_shardings, out_shardings) of `train_step(state, teacher_params, batch)`, or None."""
+  if placement.mesh is None:
+    return None
+  mesh = placement.mesh
+  state = placement.state_shardings(jax.eval_shape(lambda p: TrainState.create(p, optimizer), params))
+  teacher = rules.param_shardings(teacher_params, mesh)
+  return (state, teacher, NamedSharding(mesh, rules.BATCH)), (state, rules.replicated(mesh))
 
 
 def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teacher: Model,
@@ -148,14 +175,13 @@ def make_train_step(student: Model, teacher: Model, loss_cfg: LossConfig,
   `sampling`: the `SamplingParams` the rollouts are generated with, so that the importance
   weights and `mismatch_*` metrics compare the trainer with the engine on the same processed
   distribution (see `opd_loss`). None: the rollouts are T = 1 and unprocessed. `shardings`:
-  (in_shardings, out_shardings) over a mesh (opdjax.parallel.placement); None: one device.
+  (in_shardings, out_shardings) over a mesh (`train_step_shardings`); None: one device.
   """
   check_compatible(student, teacher)
   fn = functools.partial(train_step, student=student, teacher=teacher, loss_cfg=loss_cfg,
                          optimizer=optimizer, skip_nonfinite=skip_nonfinite, sampling=sampling)
   if shardings is None:
     return jax.jit(fn, donate_argnums=0)
-  from opdjax.parallel.activations import traced_on
 
   mesh = shardings[1][1].mesh  # the metrics' (replicated) sharding names the mesh
   return jax.jit(traced_on(fn, mesh), donate_argnums=0, in_shardings=shardings[0], out_shardings=shardings[1])

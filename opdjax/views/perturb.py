@@ -26,18 +26,9 @@ import numpy as np
 
 from opdjax.errors import UserError
 from opdjax.models.quant import QuantFormat, fake_quant, quantize
-
-STACKED = "layers"  # params[STACKED] leaves hold one slice per decoder layer on axis 0
+from opdjax.paths import STACKED, module_path
 
 # --- paths -------------------------------------------------------------------------------------
-
-def module_path(keys: Sequence[str], layer: int | None = None) -> str:
-  """('layers', 'mlp', 'down_proj', 'kernel'), layer 3 -> 'layers.3.mlp.down_proj'."""
-  mods = list(keys[:-1])
-  if mods and mods[0] == STACKED:
-    mods.insert(1, str(layer))
-  return ".".join(mods)
-
 
 def _keys(path) -> tuple[str, ...]:
   return tuple(getattr(p, "key", str(p)) for p in path)

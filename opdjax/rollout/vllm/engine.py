@@ -9,8 +9,8 @@ noised or lagged (`capabilities`); vLLM's own precision is its `--dtype` / `--qu
 
 Every prompt is its own request with its own seed. A CPU server dies when it splits a seeded
 request's prefill across steps (see `ServerInfo.split_breaks_seeds`), so on such a server a batch is
-sent in waves whose tokens fit its step budget (`--max-num-batched-tokens`); `make_vllm_engine`
-sizes that budget so one wave holds a whole batch.
+sent in waves whose tokens fit its step budget (`--max-num-batched-tokens`); the factory
+(`opdjax.rollout.factory.make_vllm_engine`) sizes that budget so one wave holds a whole batch.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import concurrent.futures as cf
 import logging
 import os
 import re
-import shlex
 import shutil
 import tempfile
 import weakref
@@ -29,7 +28,6 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from opdjax.errors import UserError
 from opdjax.models.config import ModelConfig
 from opdjax.models.hf_io import save_hf_params
 from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams
@@ -324,68 +322,3 @@ def _fits_in_shm(model_dir: str) -> bool:
   size = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
              if os.path.isfile(os.path.join(model_dir, f)))
   return shutil.disk_usage("/dev/shm").free > 3 * size
-
-
-def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out_dir: str, index: int | None = None,
-                     host: str = "127.0.0.1", port: int | None = None) -> VllmServer:
-  """The server `rollout.vllm` describes, serving `model_dir` (not started). `index`: the i-th of
-  `num_servers` (its own log, its own GPUs out of `vcfg.gpus`, `tensor_parallel_size` each). The step
-  budget (--max-num-batched-tokens) holds a whole batch of `batch_size` requests of up to `max_len`
-  tokens, so a batch's prefills are never split (fatal on CPU with seeds) nor sent in waves."""
-  extra = vcfg.extra_args
-  extra = tuple(shlex.split(extra) if isinstance(extra, str) else extra or ())
-  tag = "" if index is None else f"-{index}"
-  env = {"VLLM_CACHE_ROOT": os.path.join(out_dir, "vllm-cache"), "VLLM_CPU_KVCACHE_SPACE": str(vcfg.cpu_kvcache_gib)}
-  gpus = [g.strip() for g in getattr(vcfg, "gpus", "").split(",") if g.strip()]
-  if gpus:
-    tp, i = vcfg.tensor_parallel_size, index or 0
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * tp:(i + 1) * tp])
-  return VllmServer(
-      model_dir, host=host, port=port, dtype=vcfg.dtype, quantization=vcfg.quantization or None,
-      kv_cache_dtype=vcfg.kv_cache_dtype or None, gpu_memory_utilization=vcfg.gpu_memory_utilization or None,
-      tensor_parallel_size=vcfg.tensor_parallel_size, max_model_len=max_len,
-      max_num_batched_tokens=max(batch_size * max_len, 2048), enforce_eager=vcfg.enforce_eager,
-      api_key=vcfg.api_key or None, python=vcfg.python or None, extra_args=extra,
-      log_path=os.path.join(out_dir, f"vllm{tag}.log"), env=env)
-
-
-def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: int, batch_size: int,
-                     max_new_tokens: int, pad_id: int, eos_ids: Sequence[int], out_dir: str) -> VllmEngineBase:
-  """The engine of `rollout.engine='vllm'`: attached to `vcfg.url`, or on a server started here from
-  `init_params` and stopped by the engine's `close()`; several servers (`vcfg.urls`, or
-  `vcfg.num_servers` started here) behind one `MultiVllmEngine`.
-
-  `vcfg` has `rollout.vllm`'s fields (url, urls, num_servers, gpus, dtype, quantization, kv_cache_dtype,
-  gpu_memory_utilization, tensor_parallel_size, enforce_eager, api_key, python, cpu_kvcache_gib,
-  extra_args). Logs go to OUT/vllm.log (OUT/vllm-I.log for several), synced weights to OUT/vllm-weights.
-  """
-  if not 0 < max_new_tokens < max_len:
-    raise UserError(f"rollout.max_new_tokens={max_new_tokens} must be >= 1 and below rollout.max_len={max_len}"
-                    " (prompt and completion share it).")
-  kw = {"pad_id": pad_id, "eos_ids": tuple(eos_ids), "api_key": vcfg.api_key or None,
-        "export_dir": os.path.join(out_dir, "vllm-weights"), "max_concurrency": batch_size}
-  urls = [u.strip() for u in getattr(vcfg, "urls", "").split(",") if u.strip()]
-  num = getattr(vcfg, "num_servers", 1)
-  if vcfg.url and not urls and num <= 1:
-    return VllmEngine(vcfg.url, student_cfg, **kw)
-  servers: list = list(urls)
-  if not urls:
-    init_dir = os.path.join(out_dir, "vllm-init")  # the weights it starts on; every step syncs its own
-    if not os.path.exists(init_dir):
-      save_hf_params(init_params, student_cfg.replace(dtype="float32"), init_dir)
-    servers = [make_vllm_server(vcfg, init_dir, max_len=max_len, batch_size=batch_size, out_dir=out_dir,
-                                index=i if num > 1 else None) for i in range(num)]
-  if len(servers) == 1:
-    return VllmEngine(servers[0], student_cfg, **kw)  # starts the server; its close() stops it
-  from opdjax.rollout.vllm.multi import MultiVllmEngine
-
-  engines: list[VllmEngine] = []
-  try:
-    for server in servers:  # one at a time: each start waits for its /health
-      engines.append(VllmEngine(server, student_cfg, **{**kw, "export_dir": None}))
-    return MultiVllmEngine(engines, student_cfg, pad_id=pad_id, eos_ids=tuple(eos_ids),
-                           export_dir=os.path.join(out_dir, "vllm-weights"))
-  except BaseException:
-    for e in engines:
-      e.close()
-    raise

@@ -1,0 +1,117 @@
+"""The one place that builds rollout engines from the typed config: the JAX engine (one device, or
+sharded by a placement), a vLLM engine on one server or several (attached or started here), and the
+primary-process wrapper that puts a vLLM engine behind a trainer of several processes.
+
+`EnginePool` (opdjax.pipeline.session) owns the engines of a Session and calls these; the analyses
+that sample outside a Session call `jax_engine` too. Unit tests may still build `JaxEngine` itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Sequence
+
+import jax
+
+from opdjax.errors import UserError
+from opdjax.models.config import ModelConfig
+from opdjax.models.decoder import Model
+from opdjax.models.hf_io import save_hf_params
+from opdjax.rollout.base import RolloutEngine
+from opdjax.rollout.jax_engine import JaxEngine
+from opdjax.rollout.primary import PrimaryEngine
+from opdjax.rollout.vllm.engine import VllmEngine, VllmEngineBase
+from opdjax.rollout.vllm.multi import MultiVllmEngine
+from opdjax.rollout.vllm.server import VllmServer
+
+
+def jax_engine(model: Model, params=None, *, max_len: int, pad_id: int, eos_ids: Sequence[int], placement=None,
+               version: int = 0) -> JaxEngine:
+  """The embedded JAX engine for `model` (an engine-view model: compute dtype, KV and activation
+  rounding are its config); `placement`: rows and KV cache over a mesh, None: one device."""
+  return JaxEngine(model, params, max_len=max_len, pad_id=pad_id, eos_ids=tuple(eos_ids), placement=placement,
+                   version=version)
+
+
+def make_engine(rcfg, student: Model, params, *, pad_id: int, eos_ids: Sequence[int], placement,
+                out_dir: str | None) -> RolloutEngine:
+  """The engine `rollout.engine` names, for `rollout` config `rcfg`, starting from `params` (placed
+  by `placement`). With several trainer processes a vLLM engine lives in process 0 behind a
+  `PrimaryEngine`; every process calls its `sync` and `generate`."""
+  if rcfg.engine == "jax":
+    return jax_engine(student, params, max_len=rcfg.max_len, pad_id=pad_id, eos_ids=eos_ids, placement=placement)
+  if out_dir is None:
+    raise UserError("rollout.engine='vllm' needs an output folder for the server's log and weights.")
+
+  def make(init_params):
+    return make_vllm_engine(rcfg.vllm, student.cfg, init_params, max_len=rcfg.max_len, batch_size=rcfg.batch_size,
+                            max_new_tokens=rcfg.max_new_tokens, pad_id=pad_id, eos_ids=eos_ids, out_dir=out_dir)
+
+  if jax.process_count() > 1:  # one vLLM engine, in process 0, for the trainer's every process
+    host = placement.host_tree(params)  # a collective: every process takes part
+    return PrimaryEngine(lambda: make(host), placement, VllmEngineBase.capabilities, pad_id)
+  return make(params)
+
+
+def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out_dir: str, index: int | None = None,
+                     host: str = "127.0.0.1", port: int | None = None) -> VllmServer:
+  """The server `rollout.vllm` describes, serving `model_dir` (not started). `index`: the i-th of
+  `num_servers` (its own log, its own GPUs out of `vcfg.gpus`, `tensor_parallel_size` each). The step
+  budget (--max-num-batched-tokens) holds a whole batch of `batch_size` requests of up to `max_len`
+  tokens, so a batch's prefills are never split (fatal on CPU with seeds) nor sent in waves."""
+  extra = vcfg.extra_args
+  extra = tuple(shlex.split(extra) if isinstance(extra, str) else extra or ())
+  tag = "" if index is None else f"-{index}"
+  env = {"VLLM_CACHE_ROOT": os.path.join(out_dir, "vllm-cache"), "VLLM_CPU_KVCACHE_SPACE": str(vcfg.cpu_kvcache_gib)}
+  gpus = [g.strip() for g in getattr(vcfg, "gpus", "").split(",") if g.strip()]
+  if gpus:
+    tp, i = vcfg.tensor_parallel_size, index or 0
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * tp:(i + 1) * tp])
+  return VllmServer(
+      model_dir, host=host, port=port, dtype=vcfg.dtype, quantization=vcfg.quantization or None,
+      kv_cache_dtype=vcfg.kv_cache_dtype or None, gpu_memory_utilization=vcfg.gpu_memory_utilization or None,
+      tensor_parallel_size=vcfg.tensor_parallel_size, max_model_len=max_len,
+      max_num_batched_tokens=max(batch_size * max_len, 2048), enforce_eager=vcfg.enforce_eager,
+      api_key=vcfg.api_key or None, python=vcfg.python or None, extra_args=extra,
+      log_path=os.path.join(out_dir, f"vllm{tag}.log"), env=env)
+
+
+def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: int, batch_size: int,
+                     max_new_tokens: int, pad_id: int, eos_ids: Sequence[int], out_dir: str) -> VllmEngineBase:
+  """The engine of `rollout.engine='vllm'`: attached to `vcfg.url`, or on a server started here from
+  `init_params` and stopped by the engine's `close()`; several servers (`vcfg.urls`, or
+  `vcfg.num_servers` started here) behind one `MultiVllmEngine`.
+
+  `vcfg` has `rollout.vllm`'s fields (url, urls, num_servers, gpus, dtype, quantization, kv_cache_dtype,
+  gpu_memory_utilization, tensor_parallel_size, enforce_eager, api_key, python, cpu_kvcache_gib,
+  extra_args). Logs go to OUT/vllm.log (OUT/vllm-I.log for several), synced weights to OUT/vllm-weights.
+  """
+  if not 0 < max_new_tokens < max_len:
+    raise UserError(f"rollout.max_new_tokens={max_new_tokens} must be >= 1 and below rollout.max_len={max_len}"
+                    " (prompt and completion share it).")
+  kw = {"pad_id": pad_id, "eos_ids": tuple(eos_ids), "api_key": vcfg.api_key or None,
+        "export_dir": os.path.join(out_dir, "vllm-weights"), "max_concurrency": batch_size}
+  urls = [u.strip() for u in getattr(vcfg, "urls", "").split(",") if u.strip()]
+  num = getattr(vcfg, "num_servers", 1)
+  if vcfg.url and not urls and num <= 1:
+    return VllmEngine(vcfg.url, student_cfg, **kw)
+  servers: list = list(urls)
+  if not urls:
+    init_dir = os.path.join(out_dir, "vllm-init")  # the weights it starts on; every step syncs its own
+    if not os.path.exists(init_dir):
+      save_hf_params(init_params, student_cfg.replace(dtype="float32"), init_dir)
+    servers = [make_vllm_server(vcfg, init_dir, max_len=max_len, batch_size=batch_size, out_dir=out_dir,
+                                index=i if num > 1 else None) for i in range(num)]
+  if len(servers) == 1:
+    return VllmEngine(servers[0], student_cfg, **kw)  # starts the server; its close() stops it
+  engines: list[VllmEngine] = []
+  try:
+    for server in servers:  # one at a time: each start waits for its /health
+      engines.append(VllmEngine(server, student_cfg, **{**kw, "export_dir": None}))
+    return MultiVllmEngine(engines, student_cfg, pad_id=pad_id, eos_ids=tuple(eos_ids),
+                           export_dir=os.path.join(out_dir, "vllm-weights"))
+  except BaseException:
+    for e in engines:
+      e.close()
+    raise
