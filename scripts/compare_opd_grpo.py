@@ -19,10 +19,7 @@ import numpy as np
 
 from opdjax.analyses import admission, reporting
 from opdjax.analyses.sweep import stability, sweep_config, train_run
-from opdjax.cli import _split_overrides
-from opdjax.config.defaults import default_config
-from opdjax.config.loader import apply_overrides, load_config_file
-from opdjax.config.schema import build
+from opdjax.config.resolve import resolve_config, split_overrides
 from opdjax.pipeline.session import Session
 from opdjax.views.view import EngineView
 
@@ -44,8 +41,7 @@ def main(argv=None) -> int:
   ap.add_argument("--seeds", type=int, default=2)
   ap.add_argument("--algos", default="opd,grpo")
   args, extra = ap.parse_known_args(argv)
-  base = load_config_file(args.config) if args.config else default_config()
-  cfg = sweep_config(build(apply_overrides(base, _split_overrides(DEFAULTS + extra))), args.steps, args.eval_every)
+  cfg = sweep_config(resolve_config(args.config, split_overrides(DEFAULTS + extra)), args.steps, args.eval_every)
   views = admission.require_clean([EngineView.parse(v) for v in args.views.split(";")], f"--views={args.views!r}")
   runner = Session(cfg)
   algos = args.algos.split(",")

@@ -201,15 +201,14 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   from opdjax.analyses import reporting
-  from opdjax.config.loader import load_config_file
-  from opdjax.config.schema import build
+  from opdjax.config.resolve import resolve_config
   from opdjax.pipeline.session import Session
 
   names = [n.strip() for n in args.configs.split(",")]
   unknown = [n for n in names if n not in CONFIGS]
   if unknown:
     p.error(f"unknown configuration {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
-  cfg = build(load_config_file(args.config))
+  cfg = resolve_config(args.config, {})
   steps = args.steps or cfg.train.steps
   session = Session(cfg, None, progress=False)
   targets = {"accuracy": args.target_accuracy, "reverse_kl": args.target_reverse_kl}

@@ -21,8 +21,7 @@ import numpy as np
 
 from opdjax.analyses import admission, reporting
 from opdjax.analyses.sweep import final_quality, sweep_config, train_run
-from opdjax.config.defaults import default_config
-from opdjax.config.loader import apply_overrides, load_config_file
+from opdjax.config.resolve import resolve_config, split_overrides
 from opdjax.config.schema import build
 from opdjax.pipeline.budget import load_budget
 from opdjax.pipeline.session import Session
@@ -52,14 +51,11 @@ def main(argv=None) -> int:
   if budget_path and (args.config or extra):
     ap.error("--config and --config.* overrides configure the calibration; with --budget the budget's config is used")
   if not budget_path:
-    from opdjax.cli import _split_overrides
-
     budget_path = os.path.join(args.out, "calibration", "budget.json")
     if os.path.exists(budget_path):  # a re-run reuses the finished calibration
       print(f"using the calibration in {budget_path}")
     else:
-      base = load_config_file(args.config) if args.config else default_config()
-      admission.calibrate(build(apply_overrides(base, _split_overrides(extra))), os.path.dirname(budget_path))
+      admission.calibrate(resolve_config(args.config, split_overrides(extra)), os.path.dirname(budget_path))
   budget = load_budget(budget_path)
   cands_path = args.candidates or os.path.join(args.out, "candidates.txt")
   if not args.candidates:

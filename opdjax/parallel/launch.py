@@ -26,7 +26,7 @@ def sidecar_command(cfg, model: str, port: int, tp: int, out_dir: str) -> list[s
 
 
 def main(argv: list[str] | None = None) -> int:
-  from opdjax.cli import _config, _split_overrides
+  from opdjax.config.resolve import resolve_config, split_overrides
 
   ap = argparse.ArgumentParser(prog="python -m opdjax.parallel.launch")
   sub = ap.add_subparsers(dest="what", required=True)
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
   sc.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
   sc.add_argument("--out", default=".", help="the run's folder (vLLM's caches go under it)")
   args, extra = ap.parse_known_args(argv)
-  cfg = _config(args, _split_overrides(extra))
+  cfg = resolve_config(args.config, split_overrides(extra))
   print(shlex.join(sidecar_command(cfg, args.model, args.port, args.tp, args.out)))
   return 0
 

@@ -1,0 +1,33 @@
+"""A config file plus `--config.SECTION.KEY=VALUE` flags -> the typed `Config`.
+
+The one path from a command line to a config: `opdjax` and every script under scripts/ resolve
+theirs here, so an override means the same thing wherever it is given.
+"""
+
+from __future__ import annotations
+
+from opdjax.config.defaults import default_config
+from opdjax.config.loader import ConfigError, apply_overrides, load_config_file
+from opdjax.config.schema import Config, build
+
+
+def split_overrides(extra: list[str]) -> dict[str, str]:
+  """`--config.a.b=v` and `--config.a.b v` flags -> {"a.b": "v"}; anything else is an error naming the form."""
+  out = {}
+  it = iter(extra)
+  for arg in it:
+    if not arg.startswith("--config."):
+      raise ConfigError(f"unrecognised argument {arg!r}; overrides look like --config.train.steps=10")
+    key, eq, value = arg[len("--config."):].partition("=")
+    if not eq:
+      value = next(it, None)
+      if value is None:
+        raise ConfigError(f"{arg} needs a value: --config.{key}=VALUE")
+    out[key] = value
+  return out
+
+
+def resolve_config(path: str | None, overrides: dict[str, str]) -> Config:
+  """`path`'s get_config() with `overrides` applied, built and validated. `path=None` means the demo's
+  config (`default_config()`, what configs/demo.py returns): only for callers that document that default."""
+  return build(apply_overrides(load_config_file(path) if path else default_config(), overrides))
