@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import flax.struct
 import jax
@@ -87,12 +88,31 @@ class Capabilities:
   processed_logprobs: bool = True
 
 
+@dataclasses.dataclass
+class WeightUpdate:
+  """A params version as `RolloutEngine.export` made it ready for `load`: host-side data and device
+  arrays only, so loading it needs no collective. `params`: a pytree the engine installs (the JAX
+  engine); `path`: a weights folder its servers reload (vLLM); `stats`: the export's time split
+  (`time_export_s`, bytes written, ...) for the step's record."""
+
+  version: int
+  params: Any = None
+  path: str | None = None
+  stats: dict = dataclasses.field(default_factory=dict)
+
+
 class RolloutEngine(abc.ABC):
   """Samples completions of token-id prompts with the params it was last synced with.
 
   Protocol: `sync(params, version)` installs weights (`version` is recorded in every later
   rollout), `generate(prompts, sampling, seed) -> Rollout`, `close()` releases what it holds
   (servers, caches); `capabilities` says what it can realise.
+
+  Weight sync in two halves, for runs whose trainer and sampler are different threads or
+  processes: `export(params, version)` is called by every trainer process at the same point of the
+  loop, on the trainer's thread (it may run collectives and write files); `load(update)` by whoever
+  samples (the producer thread; process 0 behind a multi-process trainer) and runs no collective.
+  `sync` is the two in a row. An engine that has no export step inherits both.
   """
 
   capabilities: Capabilities
@@ -100,6 +120,14 @@ class RolloutEngine(abc.ABC):
   @abc.abstractmethod
   def sync(self, params, version: int) -> None:
     """Installs new weights; `version` is recorded in later rollouts."""
+
+  def export(self, params, version: int) -> WeightUpdate:
+    """`params` made ready for `load` (every trainer process calls it, on the trainer's thread)."""
+    return WeightUpdate(version, params=params)
+
+  def load(self, update: WeightUpdate) -> None:
+    """Installs an exported version; no collective (the sampling side calls it)."""
+    self.sync(update.params, update.version)
 
   @abc.abstractmethod
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> Rollout:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jax.experimental import multihost_utils
 
-from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams
+from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
 from opdjax.rollout.jax_engine import pad_prompts
 
 
@@ -31,10 +31,17 @@ class PrimaryEngine(RolloutEngine):
     return self._version
 
   def sync(self, params, version: int) -> None:
+    self.load(self.export(params, version))
+
+  def export(self, params, version: int) -> WeightUpdate:
+    """Every process: the params gathered onto every host (a collective), exported by process 0."""
     host = self.placement.host_tree(params)  # a collective: every process takes part
+    return self.inner.export(host, version) if self.inner is not None else WeightUpdate(version)
+
+  def load(self, update: WeightUpdate) -> None:
     if self.inner is not None:
-      self.inner.sync(host, version)
-    self._version = version
+      self.inner.load(update)
+    self._version = update.version
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Rollout:
     toks, mask = pad_prompts(prompts, self.pad_id)

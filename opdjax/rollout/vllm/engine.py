@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from opdjax.models.config import ModelConfig
 from opdjax.models.hf_io import save_hf_params
-from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams
+from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
 from opdjax.rollout.jax_engine import PromptTooLongError, pad_prompts
 from opdjax.rollout.vllm.client import ServerDown, ServerInfo, VllmClient, VllmError
 from opdjax.rollout.vllm.server import VllmServer
@@ -113,16 +114,25 @@ class VllmEngineBase(RolloutEngine):
 
   def sync(self, params, version: int) -> None:
     """Exports `params` to a fresh HF folder and has vLLM reload it in place."""
+    self.load(self.export(params, version))
+
+  def export(self, params, version: int) -> WeightUpdate:
+    """`params` written to a fresh HF folder under the engine's export root."""
+    t0 = time.perf_counter()
     self._exports += 1
     path = os.path.join(self._export_root, f"{self._exports:06d}-v{version}")
     save_hf_params(params, self.model_cfg, path)
+    return WeightUpdate(version, path=path, stats={"time_export_s": time.perf_counter() - t0})
+
+  def load(self, update: WeightUpdate) -> None:
+    """Has vLLM reload the exported folder in place (pause, reload, reset prefix cache, resume)."""
     try:
-      self._reload(path)
+      self._reload(update.path)
     except BaseException:
-      shutil.rmtree(path, ignore_errors=True)
+      shutil.rmtree(update.path, ignore_errors=True)
       raise
-    old, self._weights_path, self._version = self._weights_path, path, version
-    if old is not None:
+    old, self._weights_path, self._version = self._weights_path, update.path, update.version
+    if old is not None and old != update.path:
       shutil.rmtree(old, ignore_errors=True)
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Rollout:
@@ -206,6 +216,7 @@ class VllmEngine(VllmEngineBase):
       api_key = self._server.api_key if api_key is None else api_key
     try:
       self.client = VllmClient(self._server.url if self._server else str(server), api_key=api_key,
+                               token=(self._server.token or "") if self._server else None,  # URL: env's
                                request_timeout_s=request_timeout_s, max_retries=max_retries)
       try:
         info = self.client.info()
@@ -264,7 +275,8 @@ class VllmEngine(VllmEngineBase):
     from opdjax.rollout.vllm.client import error_message, http_json
 
     try:
-      status, payload = http_json(self.url + route, {}, timeout=self.client.request_timeout_s)
+      status, payload = http_json(self.url + route, {}, bearer=self.client.bearer,
+                                  timeout=self.client.request_timeout_s)
     except OSError as e:
       raise ServerDown(f"{type(e).__name__}: {e}") from e
     if status == 404:

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Sequence
 
 from opdjax.models.config import ModelConfig
+from opdjax.rollout.base import WeightUpdate
 from opdjax.rollout.vllm.client import VllmError
 from opdjax.rollout.vllm.engine import VllmEngine, VllmEngineBase
 
@@ -50,9 +51,9 @@ class MultiVllmEngine(VllmEngineBase):
   def urls(self) -> list[str]:
     return [e.url for e in self.engines]
 
-  def sync(self, params, version: int) -> None:
-    self._target = version  # what _reload installs; `params_version` changes once a server holds it
-    super().sync(params, version)
+  def load(self, update: WeightUpdate) -> None:
+    self._target = update.version  # what _reload installs; `params_version` changes once a server holds it
+    super().load(update)
 
   def _reload(self, path: str) -> None:
     """Every server reloads `path`, concurrently; those that fail hold no known version until a
