@@ -20,6 +20,9 @@
 #   NODES                  the node names (default: $SLURM_JOB_NODELIST expanded; for --dry-run: node0 node1 ...)
 #   NUM_NODES              default: $SLURM_JOB_NUM_NODES, else 2 for --dry-run
 # With sidecars and several trainer processes, process 0 drives the sidecars and hands every process its rows.
+# Sidecars bind 0.0.0.0, so every route of theirs (vLLM's dev routes included) checks a per-job token:
+# OPDJAX_SIDECAR_TOKEN (made here unless already set), which reaches sidecars and trainer through the
+# environment (srun passes it on) and is never printed; --dry-run says only that it is set.
 # Install once on the cluster: python3 -m venv .venv && . .venv/bin/activate && pip install -e . 'jax[cuda12]' vllm
 #SBATCH --job-name=opdjax-multinode
 #SBATCH --exclusive
@@ -92,6 +95,12 @@ root=${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
 cd "$root"
 if [[ -f .venv/bin/activate ]]; then . .venv/bin/activate; fi
 
+if (( ${#sidecar_nodes[@]} > 0 )); then  # a token nobody else on the network has; never on a command line
+  OPDJAX_SIDECAR_TOKEN=${OPDJAX_SIDECAR_TOKEN:-$(python -c 'import secrets; print(secrets.token_urlsafe(32))')}
+  export OPDJAX_SIDECAR_TOKEN
+  if (( dry )); then echo "slurm_multinode.sh: OPDJAX_SIDECAR_TOKEN=<set> (exported to sidecars and trainer)" >&2; fi
+fi
+
 urls=()
 for node in "${sidecar_nodes[@]}"; do
   for ((s = 0; s < vllm_gpus / tp; s++)); do
@@ -113,7 +122,8 @@ if (( ${#urls[@]} > 0 )); then
   extra+=(--config.rollout.engine=vllm "--config.rollout.vllm.urls=$url_list")
   if (( ! dry )); then  # every sidecar answers before the trainer starts
     for u in "${urls[@]}"; do
-      until curl -sf "$u/health" > /dev/null; do
+      # The header comes on stdin: curl's arguments are visible to every user of the node.
+      until curl -sf -H @- "$u/health" > /dev/null <<< "Authorization: Bearer $OPDJAX_SIDECAR_TOKEN"; do
         for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null || die "a vLLM sidecar exited; see $out.vllm-*.log"; done
         sleep 5
       done

