@@ -148,7 +148,7 @@ def attention_used(spec, requested: str = "auto") -> str:
   import jax
   import jax.numpy as jnp
 
-  from opdjax.models.decoder import attention_backend
+  from opdjax.models.attention import attention_backend
   return attention_backend(requested, jnp.dtype(spec["dtype"]), spec["student"]["head_dim"], jax.default_backend())
 
 

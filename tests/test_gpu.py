@@ -82,9 +82,9 @@ def test_cudnn_attention_is_used_on_gpu_and_matches_xla():
 
 
 def test_decode_windows_on_gpu_match_a_full_forward(monkeypatch):
-  from opdjax.models import decoder
+  from opdjax.models import attention
 
-  monkeypatch.setattr(decoder, "DECODE_WINDOW", 16)
+  monkeypatch.setattr(attention, "DECODE_WINDOW", 16)
   model = Model(_cfg("float32"))
   params = jax.tree.map(lambda x: 3 * x, model.init(jax.random.key(0)))
   tokens, mask, positions = _padded_batch(t=48)

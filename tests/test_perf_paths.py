@@ -14,7 +14,7 @@ import pytest
 from jax.extend import core as jcore
 
 from opdjax.errors import UserError
-from opdjax.models import Model, ModelConfig, UnsupportedModelError, decoder, quant
+from opdjax.models import Model, ModelConfig, UnsupportedModelError, attention, quant
 from opdjax.rollout import JaxEngine, SamplingParams
 from opdjax.rollout.jax_engine import decode_step
 from opdjax.training.loss import LossConfig
@@ -68,8 +68,8 @@ def einsum_reference(monkeypatch):
     return einsum_attention(q_BxKxGxE.reshape(b, 1, k * g, e), keys, values, mask).reshape(b, k, g, e)
 
   def use():
-    monkeypatch.setattr(decoder, "fused_attention", fused)
-    monkeypatch.setattr(decoder, "decode_attention", whole_cache)
+    monkeypatch.setattr(attention, "fused_attention", fused)
+    monkeypatch.setattr(attention, "decode_attention", whole_cache)
 
   return use
 
@@ -97,8 +97,8 @@ def _prefill_then_decode(model, params, tokens, mask, positions, prefill, slots,
 def test_fused_attention_matches_the_einsum_path(random_params, einsum_reference, monkeypatch):
   """fp32, GQA, left padding: a full forward and a prefill + decode with a cache (decode windows of
   4, 8 and 13 slots over a 13-slot cache) equal the einsum over the whole cache."""
-  monkeypatch.setattr(decoder, "DECODE_WINDOW", 4)
-  assert decoder.decode_windows(13) == (4, 8, 13)
+  monkeypatch.setattr(attention, "DECODE_WINDOW", 4)
+  assert attention.decode_windows(13) == (4, 8, 13)
   model = Model(_cfg())
   params = random_params(model, seed=0, std=0.4)
   tokens, mask, positions = _padded(np.random.default_rng(0))
@@ -119,9 +119,9 @@ def test_fused_attention_matches_the_einsum_path(random_params, einsum_reference
 
 
 def test_decode_windows_double_up_to_the_cache():
-  assert decoder.decode_windows(4096) == (512, 1024, 2048, 4096)
-  assert decoder.decode_windows(384) == (384,)  # one window: no switch, the step reads the whole cache
-  assert decoder.decode_windows(600) == (512, 600)
+  assert attention.decode_windows(4096) == (512, 1024, 2048, 4096)
+  assert attention.decode_windows(384) == (384,)  # one window: no switch, the step reads the whole cache
+  assert attention.decode_windows(600) == (512, 600)
 
 
 def _switch_windows(model, slots) -> list[set[int]]:
@@ -141,7 +141,7 @@ def _switch_windows(model, slots) -> list[set[int]]:
 
 def test_a_decode_step_reads_only_its_window(monkeypatch):
   """One switch per decode step, outside the layer scan: branch i's attention reads window i's slots."""
-  monkeypatch.setattr(decoder, "DECODE_WINDOW", 8)
+  monkeypatch.setattr(attention, "DECODE_WINDOW", 8)
   assert _switch_windows(Model(_cfg(num_heads=6)), 40) == [{8}, {16}, {32}, {40}]  # G = 3: q is no [B, S, K, E]
 
 
@@ -171,10 +171,10 @@ def test_engine_recovers_from_a_cache_a_diverged_call_left_nan(random_params):
 
 @pytest.fixture
 def notices(monkeypatch, caplog):
-  monkeypatch.setattr(decoder, "_noticed", set())
-  monkeypatch.setattr(decoder, "_cudnn_verdicts", {})
-  caplog.set_level(logging.WARNING, logger=decoder.__name__)
-  return lambda: [r.getMessage() for r in caplog.records if r.name == decoder.__name__]
+  monkeypatch.setattr(attention, "_noticed", set())
+  monkeypatch.setattr(attention, "_cudnn_verdicts", {})
+  caplog.set_level(logging.WARNING, logger=attention.__name__)
+  return lambda: [r.getMessage() for r in caplog.records if r.name == attention.__name__]
 
 
 @pytest.mark.parametrize("requested,platform,dtype,head_dim,want,why", [
@@ -190,7 +190,7 @@ def notices(monkeypatch, caplog):
 ])
 def test_attention_backend_choice_and_one_notice(requested, platform, dtype, head_dim, want, why, notices):
   for _ in range(2):
-    assert decoder.attention_backend(requested, dtype, head_dim, platform) == want
+    assert attention.attention_backend(requested, dtype, head_dim, platform) == want
   got = notices()
   if why is None:
     assert got == []
@@ -210,9 +210,9 @@ def test_cudnn_refusal_falls_back_to_xla_never_a_crash(random_params, notices, m
   loss = lambda m: lambda p: jnp.sum(m.apply(p, tokens, positions, mask)[0][..., 0])
   want_g = jax.jit(jax.grad(loss(xla)))(params)
 
-  monkeypatch.setattr(decoder, "_platform", lambda: "gpu")
+  monkeypatch.setattr(attention, "_platform", lambda: "gpu")
   auto = Model(cfg)
-  assert decoder.attention_backend("auto", jnp.bfloat16, cfg.head_dim, "gpu") == "cudnn"
+  assert attention.attention_backend("auto", jnp.bfloat16, cfg.head_dim, "gpu") == "cudnn"
   got = np.asarray(_run(auto.apply, params, tokens, positions, mask)[0])
   got_g = jax.jit(jax.grad(loss(auto)))(params)
   np.testing.assert_array_equal(got, want)
