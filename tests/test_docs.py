@@ -1,0 +1,103 @@
+"""scripts/docs.py: the repository's rendered figures equal their result files, and a hand edit fails."""
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("docs_script", os.path.join(ROOT, "scripts", "docs.py"))
+docs = sys.modules["docs_script"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+spec.loader.exec_module(docs)
+
+
+def _copy(tmp_path):
+  for f in ("README.md", "BENCHMARKS.md"):
+    shutil.copy(os.path.join(ROOT, f), tmp_path / f)
+  shutil.copytree(os.path.join(ROOT, "docs"), tmp_path / "docs")
+  return tmp_path
+
+
+def _demo_line(root) -> tuple[int, str]:
+  """(1-based line, text) of the README line holding the rendered demo figures."""
+  lines = open(os.path.join(root, "README.md")).read().split("\n")
+  return next((i + 1, t) for i, t in enumerate(lines) if "<!-- docs.py:demo.line -->" in t)
+
+
+def test_check_passes_on_the_repository(capsys):
+  assert docs.main(["--check"]) == 0, capsys.readouterr().err
+  blocks = [b for p in docs.doc_files(ROOT) for b in docs.blocks(open(os.path.join(ROOT, p)).read(), p)]
+  assert any(b.name == "demo.line" and b.path == "README.md" for b in blocks)
+
+
+def test_a_hand_edited_number_fails_naming_file_line_and_both_values(tmp_path, capsys):
+  root = _copy(tmp_path)
+  n, text = _demo_line(root)
+  shown = re.search(r"\*\*([\d.]+) -> ([\d.]+)\*\*", text).group(2)  # the rendered final reverse KL
+  readme = open(root / "README.md").read()
+  open(root / "README.md", "w").write(readme.replace(f"-> {shown}**", "-> 0.054**", 1))
+  assert docs.main(["--check", "--root", str(root)]) == 1
+  err = capsys.readouterr().err
+  assert f"README.md:{n}: docs.py:demo.line says '0.054' where docs/results/demo.json gives '{shown}'" in err
+  # --render rewrites the block from the result file, and the check passes again
+  assert docs.main(["--render", "--root", str(root)]) == 0
+  assert open(root / "README.md").read() == readme
+  assert docs.main(["--check", "--root", str(root)]) == 0
+
+
+def test_a_table_cell_edit_names_its_own_line(tmp_path, capsys):
+  root = _copy(tmp_path)
+  path = root / "docs" / "prefix_shift.md"
+  lines = open(path).read().split("\n")
+  start = next(i for i, t in enumerate(lines) if t == "<!-- docs.py:prefix_shift.table -->")
+  row = start + 4  # the header, the rule, the noise floor, then the first view's row
+  cells = lines[row].split(" | ")
+  old = cells[1]
+  cells[1] = "0.5" if old != "0.5" else "0.25"
+  lines[row] = " | ".join(cells)
+  open(path, "w").write("\n".join(lines))
+  assert docs.main(["--check", "--root", str(root)]) == 1
+  err = capsys.readouterr().err
+  assert f"docs/prefix_shift.md:{row + 1}: docs.py:prefix_shift.table says '{cells[1]}'" in err
+  assert f"gives '{old}'" in err
+
+
+def test_demo_run_must_equal_the_readme_line(tmp_path, capsys):
+  result = json.load(open(os.path.join(ROOT, "docs", "results", "demo.json")))["result"]
+  recs = [{"step": 0, **result["first"]}, {"step": result["steps"], **result["last"], "elapsed_s": 1.0}]
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+  assert docs.main(["--check", "--demo-run", str(run)]) == 0, capsys.readouterr().err  # timing is not compared
+  recs[-1]["accuracy"] = 0.5
+  (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+  assert docs.main(["--check", "--demo-run", str(run / "metrics.jsonl")]) == 1
+  n, _ = _demo_line(ROOT)
+  assert f"README.md:{n}: docs.py:demo.line says '0.980' where the demo run {run}/metrics.jsonl gives '0.500'" \
+      in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, offset, message", [
+    (lambda t: t.replace("<!-- /docs.py:demo.line -->", "", 1), 1, "docs.py:demo.time opens inside docs.py:demo.line"),
+    (lambda t: t.replace("docs.py:demo.line -->", "docs.py:demo.nope -->", 2), 0, "unknown figure docs.py:demo.nope"),
+    (lambda t: t + "\n<!-- docs.py:demo.line -->", None, "docs.py:demo.line is never closed"),
+])
+def test_malformed_blocks_are_one_error_naming_the_line(tmp_path, capsys, edit, offset, message):
+  root = _copy(tmp_path)
+  n, _ = _demo_line(root)
+  text = edit(open(root / "README.md").read())
+  open(root / "README.md", "w").write(text)
+  assert docs.main(["--check", "--root", str(root)]) == 2
+  line = n + offset if offset is not None else text.count("\n") + 1
+  assert f"README.md:{line}: {message}" in capsys.readouterr().err
+
+
+def test_every_result_file_says_where_it_came_from():
+  for path in os.listdir(os.path.join(ROOT, "docs", "results")):
+    r = docs.load_result(ROOT, path.removesuffix(".json"))
+    assert r["command"] and r["commit"] and r["machine"] and r["date"], path
+    assert r["measured"] == "fresh run" or r["measured"].startswith("as recorded at commit "), path
