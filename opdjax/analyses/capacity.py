@@ -326,16 +326,22 @@ def main(argv: list[str]) -> int:
                  help="weights: bf16, a preset (fp8, fp8_block, fp8_e5m2, int8), 'pattern>format|...',"
                       " or a recipe file (spec or sensitivity JSON)")
   p.add_argument("--keep-edge-layers", type=int, default=0, help="preset recipes: first/last N layers' weights bf16")
-  p.add_argument("--kv-bf16-layers", default="", help="layers whose KV stays bf16 with fp8 KV, e.g. 0,27")
+  p.add_argument("--kv-bf16-layers", default="", help="layers whose KV stays bf16 with fp8 KV, e.g. 0,27 (default for"
+                 " a recipe file or view: its own, as rollout.vllm.recipe serves it)")
   p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens a KV block (vLLM GPU: 16)")
   p.add_argument("--json", help="write the result as JSON to this file")
   p.add_argument("--out", help="folder to write kv_capacity.json into")
   args = p.parse_args(argv)
+  from opdjax.rollout.vllm import recipe as served
+
   name, cfg = load_model_config(args.model)
   recipe = load_recipe(args.recipe, cfg.num_layers, args.keep_edge_layers)
   label = os.path.basename(args.recipe) if os.path.isfile(args.recipe) else args.recipe
+  kv_layers = _layers_arg(args.kv_bf16_layers)
+  if not args.kv_bf16_layers and (os.path.isfile(args.recipe) or ">" in args.recipe):  # as a vLLM server keeps them
+    kv_layers = list(served.kv_bf16_layers(served.load(args.recipe, "--recipe"), cfg, "--recipe"))
   result = {"model": name, "num_layers": cfg.num_layers,
-            **capacity_table(cfg, recipe, args.memory_gib, args.reserve_gib, _layers_arg(args.kv_bf16_layers),
+            **capacity_table(cfg, recipe, args.memory_gib, args.reserve_gib, kv_layers,
                              args.block_size, recipe_name=label if ">" not in label else "recipe")}
   print(report(result))
   paths = ([args.json] if args.json else []) + ([os.path.join(args.out, "kv_capacity.json")] if args.out else [])

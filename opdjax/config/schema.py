@@ -147,6 +147,7 @@ class VllmConfig:
   python: str = ""
   cpu_kvcache_gib: int = 1
   extra_args: str = ""
+  recipe: str = ""  # recipe.json of `opdjax sensitivity` (or its view): FP8 weights and KV (rollout.vllm.recipe)
 
   @property
   def extra_argv(self) -> tuple[str, ...]:
@@ -171,6 +172,10 @@ class VllmConfig:
       shlex.split(self.extra_args)
     except ValueError as e:
       raise UserError(f"rollout.vllm.extra_args={self.extra_args!r}: {e}; quote it as for a shell.") from None
+    if self.recipe:
+      from opdjax.rollout.vllm.recipe import check_config
+
+      check_config(self)
 
 
 @dataclasses.dataclass(frozen=True)

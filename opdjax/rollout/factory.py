@@ -21,6 +21,7 @@ from opdjax.models.hf_io import save_hf_params
 from opdjax.rollout.base import RolloutEngine
 from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.rollout.primary import PrimaryEngine
+from opdjax.rollout.vllm import recipe
 from opdjax.rollout.vllm.engine import VllmEngine, VllmEngineBase
 from opdjax.rollout.vllm.multi import MultiVllmEngine
 from opdjax.rollout.vllm.server import VllmServer
@@ -61,7 +62,7 @@ def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out
   budget (--max-num-batched-tokens) holds a whole batch of `batch_size` requests of up to `max_len`
   tokens, so a batch's prefills are never split (fatal on CPU with seeds) nor sent in waves."""
   extra = vcfg.extra_args
-  extra = tuple(shlex.split(extra) if isinstance(extra, str) else extra or ())
+  extra = (*recipe.server_args(vcfg, model_dir), *(shlex.split(extra) if isinstance(extra, str) else extra or ()))
   tag = "" if index is None else f"-{index}"
   env = {"VLLM_CACHE_ROOT": os.path.join(out_dir, "vllm-cache"), "VLLM_CPU_KVCACHE_SPACE": str(vcfg.cpu_kvcache_gib)}
   gpus = [g.strip() for g in getattr(vcfg, "gpus", "").split(",") if g.strip()]
