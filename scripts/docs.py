@@ -179,9 +179,15 @@ class Figure:
   note: str = ""                       # how the command ran, kept in the result file
 
 
+def kv_last(key: str, fmt: str) -> Callable[[dict], str]:
+  """A number of the last row (recipe weights, FP8 KV), for prose."""
+  return lambda r: fmt.format(r["result"]["rows"][-1][key])
+
+
 def _kv(model: str, memory: float, layers: str, *extra: str) -> Figure:
   cmd = f"opdjax kv-capacity --model {model} --memory-gib {memory} --kv-bf16-layers {layers} {' '.join(extra)}"
-  return Figure((cmd.strip() + " --json {out}/kv.json",), _read_json("kv.json"), {"table": kv_table})
+  return Figure((cmd.strip() + " --json {out}/kv.json",), _read_json("kv.json"), {"table": kv_table,
+                "last_gib": kv_last("weight_gib", "{:.3f} GiB"), "last_ratio": kv_last("kv_tokens_ratio", "{:.3f}x")})
 
 
 SMOLLM2 = "opdjax train --config configs/smollm2_opd.py --out {out}"
@@ -202,6 +208,7 @@ FIGURES: dict[str, Figure] = {
                            {"kl": run_kl, "time": step_time, "mismatch": run_mismatch}),
     "kv_smollm2": _kv("fetch:smollm2-135m", 72, "0"),
     "kv_qwen3_1p7b": _kv("qwen3-1.7b", 72, "27"),
+    "kv_qwen3_1p7b_block": _kv("qwen3-1.7b", 72, "27", "--recipe fp8_block --keep-edge-layers 1"),
     "kv_qwen3_8b_72": _kv("qwen3-8b", 72, "0,35"),
     "kv_qwen3_8b_21": _kv("qwen3-8b", 21.6, "0,35"),
 }
