@@ -1,0 +1,153 @@
+"""`opdjax sensitivity` outputs: the markdown report, CSV/JSON files, the recipe files, the two plots
+and the terminal summary."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from opdjax.analyses import reporting
+from opdjax.analyses.sensitivity_recipe import rank
+
+
+def _short(p: str) -> str:
+  return p.replace(":channel", "")
+
+
+def tables(results: dict) -> str:
+  """The markdown report: per-layer and per-kind KLs, the recipe against its baselines."""
+  points = results["settings"]["perturbations"]
+  fmt = results["recipe"]["format"]
+  pos = {i: r for r, i in enumerate(results["ranking"]["layers"])}
+  layer_rows = [{"layer": r["layer"], **{_short(p): r[p] for p in points},
+                 f"rank ({_short(fmt)})": pos[r["layer"]] + 1} for r in results["layers"]]
+  kind_pos = {k: r for r, k in enumerate(results["ranking"]["kinds"])}
+  kind_rows = [{"kind": r["kind"], **{_short(p): r[p] for p in points},
+                f"rank ({_short(fmt)})": kind_pos[r["kind"]] + 1} for r in results["kinds"]]
+  rec, base = results["recipe"], results["baselines"]
+  k = rec["k"]
+  cmp_rows = [
+      {"recipe": f"sensitivity (k={k})", "bf16 layers": " ".join(map(str, rec["bf16_layers"])) or "-",
+       "exact KL": rec["measured_kl"]},
+      {"recipe": f"edge layers (k={k})", "bf16 layers": " ".join(map(str, base["edge"]["bf16_layers"])) or "-",
+       "exact KL": base["edge"]["kl"]},
+      {"recipe": f"random (k={k}, mean of {len(base['random']['kls'])})", "bf16 layers": "-",
+       "exact KL": base["random"]["kl"]},
+      {"recipe": "all layers quantized (k=0)", "bf16 layers": "-", "exact KL": rec["kl_all_quantized"]},
+      {"recipe": "all layers bf16", "bf16 layers": "all", "exact KL": rec["kl_all_bf16"]},
+  ]
+  m = results["model"]
+  return "\n\n".join([
+      f"# Layer sensitivity: {m.get('path', '')} ({m['model_type']}, {m['num_layers']} layers)",
+      f"Exact KL(perturbed || clean) per completion token, {results['num_tokens']} tokens of"
+      f" {results['num_sequences']} sequences sampled by the clean model; clean floor {results['kl_clean']:.3g}.",
+      "## Per layer (all matrices of one layer)", reporting.markdown_table(layer_rows),
+      "## Per module kind (that projection in every layer)", reporting.markdown_table(kind_rows),
+      f"## Recipe ({fmt}; target KL {rec['target_kl']:.4g}{' = half of k=0' if rec['target_auto'] else ''},"
+      f" {'met' if rec['target_met'] else 'NOT met'})",
+      reporting.markdown_table(cmp_rows),
+      f"Weights: {rec['weight_mib']:.2f} MiB (all bf16: {base['all_bf16_mib']:.2f} MiB). Engine view:\n\n"
+      f"    {rec['engine_view']}",
+      "## KL against the number k of bf16 layers", reporting.markdown_table(results["curve"]),
+  ]) + "\n"
+
+
+def _plot_sweep(results: dict, path: str) -> str:
+  points = results["settings"]["perturbations"]
+  n = results["model"]["num_layers"]
+  fig, axes = reporting.figure(len(points), 2, figsize=(10, 1.6 + 1.4 * len(points)), squeeze=False,
+                               gridspec_kw={"width_ratios": [max(n, 4), len(results["kinds"])]})
+  kinds = [r["kind"] for r in results["kinds"]]
+  for row, p in enumerate(points):
+    a, b = axes[row]
+    a.bar(range(n), [r[p] for r in results["layers"]], color=f"C{row}")
+    a.set_ylabel(f"KL, {_short(p)}", fontsize=8)
+    b.bar(range(len(kinds)), [r[p] for r in results["kinds"]], color=f"C{row}")
+    for ax in (a, b):
+      ax.tick_params(labelsize=7)
+      ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    a.set_xticks(range(n) if n <= 32 else range(0, n, 4))
+    b.set_xticks(range(len(kinds)))
+    b.set_xticklabels(kinds if row == len(points) - 1 else [], rotation=60, ha="right", fontsize=7)
+  axes[-1][0].set_xlabel("layer (one layer perturbed)")
+  axes[0][0].set_title("one layer perturbed", fontsize=9)
+  axes[0][1].set_title("one module kind perturbed (all layers)", fontsize=9)
+  fig.suptitle(f"{results['model'].get('path', '')}: exact KL(perturbed || clean)", fontsize=10)
+  return reporting.save_figure(fig, path)
+
+
+def _plot_recipe(results: dict, path: str) -> str:
+  from matplotlib.ticker import MaxNLocator
+
+  rec, base, curve = results["recipe"], results["baselines"], results["curve"]
+  fig, ax = reporting.figure(figsize=(6, 3.4))
+  ks = [r["k"] for r in curve]
+  ax.plot(ks, [r["sensitivity_kl"] for r in curve], "o-", ms=3, label="most sensitive layers in bf16")
+  ax.plot(ks, [r["edge_kl"] for r in curve], "s--", ms=3, label="edge layers in bf16 (common practice)")
+  kls = base["random"]["kls"]
+  ax.errorbar([rec["k"]], [np.mean(kls)], yerr=[[np.mean(kls) - min(kls)], [max(kls) - np.mean(kls)]], fmt="^",
+              color="C2", label=f"random {rec['k']} layers (mean, range)")
+  ax.axhline(rec["target_kl"], color="gray", lw=0.8, ls=":", label="target")
+  ax.axvline(rec["k"], color="gray", lw=0.5)
+  ax.set_yscale("log")
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.set_xlabel(f"k layers kept in bf16 (the rest {_short(rec['format'])})")
+  ax.set_ylabel("exact KL")
+  ax.set_title(f"{results['model'].get('path', '')}: recipe KL vs memory", fontsize=9)
+  ax.legend(fontsize=7)
+  return reporting.save_figure(fig, path)
+
+
+def write_outputs(results: dict, out_dir: str) -> list[str]:
+  """sensitivity.{json,csv,md}, recipe_curve.csv, recipe.json, recipe_view.txt and two PNGs."""
+  j = functools.partial(os.path.join, out_dir)
+  rows = []
+  for scope, key, entries in (("layer", "layer", results["layers"]), ("kind", "kind", results["kinds"])):
+    for p in results["settings"]["perturbations"]:
+      order = rank([r[p] for r in entries])
+      pos = {i: r for r, i in enumerate(order)}
+      rows += [{"scope": scope, "name": r[key], "perturbation": p, "exact_kl": r[p], "rank": pos[i] + 1}
+               for i, r in enumerate(entries)]
+  rec = results["recipe"]
+  recipe = {**{k: rec[k] for k in ("engine_view", "weights", "target_kl", "measured_kl", "target_met", "bf16_layers",
+                                   "format", "k", "weight_mib")},
+            "recipe": rec["rows"], "model": results["model"],
+            "same_memory": {"edge_kl": results["baselines"]["edge"]["kl"],
+                            "random_kl": results["baselines"]["random"]["kl"]}}
+  files = [
+      reporting.write_json(j("sensitivity.json"), {k: v for k, v in results.items() if k != "files"}),
+      reporting.write_csv(j("sensitivity.csv"), rows),
+      reporting.write_csv(j("recipe_curve.csv"), results["curve"]),
+      reporting.write_text(j("sensitivity.md"), tables(results)),
+      reporting.write_json(j("recipe.json"), recipe),
+      reporting.write_text(j("recipe_view.txt"), rec["engine_view"] + "\n"),
+      _plot_sweep(results, j("sensitivity.png")),
+      _plot_recipe(results, j("sensitivity_recipe.png")),
+  ]
+  return files
+
+
+def report(results: dict) -> str:
+  """A few lines for the terminal: the rankings and the recipe against its same-memory baselines."""
+  rec, base = results["recipe"], results["baselines"]
+  fmt = _short(rec["format"])
+  by_layer = {r["layer"]: r for r in results["layers"]}
+  top = ", ".join(f"{i} ({by_layer[i][rec['format']]:.3g})" for i in results["ranking"]["layers"][:5])
+  lines = [
+      f"sensitivity of the {results['model'].get('role', 'model')} ({results['model']['model_type']},"
+      f" {results['model']['num_layers']} layers) on {results['num_tokens']} sampled tokens:",
+      f"  most sensitive layers under {fmt}: {top}",
+      f"  module kinds, most sensitive first: {', '.join(results['ranking']['kinds'])}",
+      f"  recipe: {rec['k']} layer(s) in bf16 {rec['bf16_layers']} -> exact KL {rec['measured_kl']:.4g}"
+      f" (target {rec['target_kl']:.4g}, {'met' if rec['target_met'] else 'NOT met'}; all quantized"
+      f" {rec['kl_all_quantized']:.4g})",
+      f"  same memory: edge layers {base['edge']['bf16_layers']} {base['edge']['kl']:.4g}, random"
+      f" {base['random']['kl']:.4g} (mean of {len(base['random']['kls'])})",
+      f"  engine view: {rec['engine_view']}",
+  ]
+  if results.get("files"):
+    lines.append(f"  wrote {', '.join(os.path.basename(f) for f in results['files'])} to"
+                 f" {os.path.dirname(results['files'][0])}")
+  return "\n".join(lines)
