@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from opdjax import cli
+from opdjax.pipeline.checkpoint import RunCheckpointer
 
 pytestmark = pytest.mark.slow  # end-to-end runs killed and resumed: the full suite runs them
 
@@ -83,10 +84,18 @@ def test_resume_refusals_and_fallback(reference, tmp_path, capsys):
   assert rc == 2
   err = capsys.readouterr().err
   assert "checkpoint step 8" in err and str(latest / "8") in err
-  # One short message naming the fix, not TensorStore's spec dump.
+  # One short message naming the fix, not TensorStore's spec dump; the checkpoint moved aside with its reason.
+  corrupt = out / "checkpoints" / "corrupt" / "8"
   assert "--resume-fallback" in err and "tensorstore_spec" not in err and len(err) < 1200, err
-  # ... and --resume-fallback continues from step 6, re-running steps 7..10 once each.
-  rc = cli.main(["train", "--out", str(out), "--resume-fallback", *ARGS[:2], "--config.train.steps=10", *ARGS[3:]])
+  assert "now resumes from step 6" in err and str(corrupt) in err, err
+  assert not (latest / "8").exists() and "cannot be restored" in (corrupt / "REASON").read_text()
+  assert len((corrupt / "REASON").read_text().splitlines()) == 1
+  # ... export no longer lists it, and the same command continues from step 6, re-running 7..10 once each.
+  reader = RunCheckpointer(str(out / "checkpoints"))
+  listed = reader.all_steps()
+  reader.close()
+  assert 8 not in listed and 6 in listed, listed
+  rc = cli.main(["train", "--out", str(out), *ARGS[:2], "--config.train.steps=10", *ARGS[3:]])
   assert rc == 0
   assert [r["step"] for r in _records(out)] == list(range(11))
 

@@ -132,18 +132,22 @@ def test_resume_refuses_meaning_changes_and_records_extensions(demo_cache, tmp_p
 
 
 @pytest.mark.slow
-def test_tensorboard_events_have_every_steps_reverse_kl(demo_cache, tmp_path, capsys):
+def test_tensorboard_events_have_reverse_kl_only_where_measured(demo_cache, tmp_path, capsys):
+  """eval_every=2: held-out values at steps 0, 2, 4 only (no stairs); training metrics at every step."""
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
   out = tmp_path / "tb"
-  assert _train(out, "--config.train.steps=3", "--config.train.tensorboard=true") == 0
+  assert _train(out, "--config.train.steps=4", "--config.train.eval_every=2", "--config.train.tensorboard=true") == 0
   err = capsys.readouterr().err
   assert "\r" not in err and "\x1b[" not in err  # not a terminal: plain progress lines, no bar frames
-  assert "OPD: step 3/3" in err
+  assert "OPD: step 4/4 rev=" in err
   acc = EventAccumulator(str(out / "tensorboard"))
   acc.Reload()
-  assert [e.step for e in acc.Scalars("reverse_kl")] == [0, 1, 2, 3]
-  want = [r["reverse_kl"] for r in _records(out)]
+  assert [e.step for e in acc.Scalars("reverse_kl")] == [0, 2, 4]
+  assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4]
+  recs = _records(out)
+  assert recs[3]["eval_step"] == 2 and recs[3]["reverse_kl"] == recs[2]["reverse_kl"]  # metrics.jsonl carries it
+  want = [r["reverse_kl"] for r in recs if r.get("eval_step", 0) == r["step"]]
   assert [e.value for e in acc.Scalars("reverse_kl")] == pytest.approx(want, rel=1e-6)
 
 

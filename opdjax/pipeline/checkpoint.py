@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,27 @@ class RunCheckpointer:
       raise CheckpointWriteError(f"writing checkpoint {step} under {self.directory} failed: {e}") from e
 
   def read_meta(self, step: int) -> dict:
-    return self._latest.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    try:
+      return self._latest.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # noqa: BLE001 -- as `restore`: one error with the step and path
+      path = os.path.join(self.directory, "latest", str(step))
+      raise UserError(f"checkpoint step {step} at {path} cannot be read ({type(e).__name__}: {_short(e)});"
+                      " its metadata is truncated or corrupted.") from e
+
+  def quarantine(self, step: int, reason: str) -> str:
+    """Moves checkpoint `step`, found unreadable, to checkpoints/corrupt/STEP with a one-line REASON,
+    so that resume and export never list it again (nothing is deleted). Returns where it went."""
+    src = os.path.join(self.directory, "latest", str(step))
+    dst = os.path.join(self.directory, "corrupt", str(step))
+    if jax.process_index() == 0:
+      if os.path.exists(dst):
+        dst = f"{dst}.{time.strftime('%Y%m%d-%H%M%S')}"
+      os.makedirs(os.path.dirname(dst), exist_ok=True)
+      os.replace(src, dst)
+      with open(os.path.join(dst, "REASON"), "w") as f:
+        f.write(" ".join(reason.split()) + "\n")
+    self._latest.reload()
+    return dst
 
   def restore(self, step: int, target) -> tuple[object, dict]:
     """Restores `step` into the structure, shapes and shardings of `target`."""

@@ -121,6 +121,15 @@ class JsonlWriter(Hook):
       self.file.close()
 
 
+def carried_eval_keys(loop: Loop, rec: dict) -> set[str]:
+  """The held-out keys `rec` carries from an evaluation of an earlier step (metrics.jsonl keeps them,
+  with `eval_step` saying when they were measured); plots and progress lines show a held-out value
+  only at the step it was measured."""
+  if "eval_step" not in rec or rec["eval_step"] == rec["step"]:
+    return set()
+  return set(loop.last_eval or {}) | {"eval_step"}
+
+
 class TensorBoardWriter(Hook):
   """TensorBoard event files under `logdir` (tensorboardX): every numeric field of every record, by step."""
 
@@ -133,8 +142,9 @@ class TensorBoardWriter(Hook):
     self.writer = SummaryWriter(self.logdir, purge_step=loop.start_step + 1 if loop.start_step else None)
 
   def record(self, loop: Loop, rec: dict) -> None:
+    stale = carried_eval_keys(loop, rec)
     for k, v in rec.items():
-      if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+      if k != "step" and k not in stale and isinstance(v, (int, float)) and not isinstance(v, bool):
         self.writer.add_scalar(k, v, rec["step"])
 
   def close(self, loop: Loop) -> None:
@@ -150,7 +160,9 @@ class Progress(Hook):
     self.stream = stream or sys.stderr
     self.bar, self.last = None, 0.0
 
-  def _postfix(self, loop: Loop) -> dict:
+  def _postfix(self, loop: Loop, rec: dict) -> dict:
+    if carried_eval_keys(loop, rec):  # not measured at this step: the training batch's numbers
+      return {k: f"{rec[k]:.4f}" for k in ("loss", "train_reverse_kl") if k in rec}
     ev = loop.last_eval or {}
     return {k[:3]: f"{v:.4f}" for k, v in ev.items() if k != "eval_step"}
 
@@ -175,10 +187,10 @@ class Progress(Hook):
         print(line, file=self.stream, flush=True)
     if self.bar is not None:
       self.bar.update(1)
-      self.bar.set_postfix(self._postfix(loop))
+      self.bar.set_postfix(self._postfix(loop, rec))
     elif time.time() - self.last >= self.every_s or rec["step"] == loop.steps:
       self.last = time.time()
-      fields = " ".join(f"{k}={v}" for k, v in self._postfix(loop).items())
+      fields = " ".join(f"{k}={v}" for k, v in self._postfix(loop, rec).items())
       print(f"{self.desc}: step {rec['step']}/{loop.steps} {fields}".rstrip(), file=self.stream, flush=True)
 
   def close(self, loop: Loop) -> None:

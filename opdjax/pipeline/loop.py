@@ -17,6 +17,7 @@ import time
 import jax
 import numpy as np
 
+from opdjax.errors import Interrupted
 from opdjax.pipeline.async_sampler import AsyncSampler
 from opdjax.pipeline.session import Session
 from opdjax.pipeline.stages import Sample, Sampler, objective
@@ -172,6 +173,7 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
       h.start(loop)
     for h in loop.hooks:
       h.ready(loop)
+    step = start
     for step in range(start, steps):
       sample = sampler(step, loop.state.params)
       timing = Timing(sample, step, sampler.depth, loop.eval_s) if loop.timed else None
@@ -191,6 +193,8 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
     loop.flush()
     for h in loop.hooks:
       h.end(loop)
+  except KeyboardInterrupt as e:  # reported once the hooks below have closed (checkpoints written)
+    raise e if isinstance(e, Interrupted) else Interrupted(step + 1) from None
   finally:
     sampler.close()
     for h in loop.hooks:

@@ -18,7 +18,7 @@ import sys
 import jax
 
 from opdjax.config.schema import Config, flat
-from opdjax.errors import UserError
+from opdjax.errors import Interrupted, UserError
 from opdjax.models.fetch import resolve
 from opdjax.pipeline import hooks as H
 from opdjax.pipeline.checkpoint import TOKENIZER_FILES, RunCheckpointer, package_versions
@@ -27,6 +27,7 @@ from opdjax.pipeline.guard import GuardHook, load_run_budget
 from opdjax.pipeline.loop import Loop, run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
 from opdjax.pipeline.session import Session
+from opdjax.rollout.factory import check_engine
 from opdjax.views.view import EngineView
 
 # Keys a resumed run may change: they extend it (more steps) or only observe it.
@@ -86,6 +87,8 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
     raise UserError(f"{out_dir} already holds a run's checkpoints; pass a new --out folder.")
   if cfg.rollout.async_depth and cfg.rollout.engine == "jax":
     _host_devices()
+  if jax.process_index() == 0:  # process 0 drives the servers
+    check_engine(cfg.rollout)
   if jax.process_count() > 1:
     check_multiprocess(cfg)
     barrier("opdjax-out-checked")  # every process has read --out before process 0 writes into it
@@ -93,6 +96,11 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
   try:
     budget = load_run_budget(cfg.train.budget, session) if cfg.train.budget else None
     return _train(session, out_dir, ckpt_dir, resuming, fallback, progress, budget)
+  except Interrupted as e:
+    steps = [int(d) for d in os.listdir(os.path.join(ckpt_dir, "latest")) if d.isdigit()] \
+        if os.path.isdir(os.path.join(ckpt_dir, "latest")) else []
+    where = f"resumes from step {max(steps)}" if steps else "starts the run again (no checkpoint was complete)"
+    raise Interrupted(e.step, f"interrupted during step {e.step}; the same command {where}.") from None
   finally:
     session.close()
 
@@ -234,12 +242,15 @@ def _resume(ckpt: RunCheckpointer, state, session: Session, fallback: bool):
       target = {"train": state, "history": [state.params] * len(meta["history_versions"])}
       tree, meta = ckpt.restore(step, target)
     except UserError as e:
-      if not fallback or "different student model" in str(e):
-        if len(steps) > 1 and "different student model" not in str(e):
-          raise UserError(f"{e} Pass --resume-fallback to resume from the previous good checkpoint"
-                          f" (steps {', '.join(map(str, steps[1:]))}).") from None
+      if "different student model" in str(e):
         raise
-      errors.append(str(e))
+      moved = ckpt.quarantine(step, str(e))
+      earlier = [s for s in steps if s < step]
+      if not fallback:
+        then = (f"the same command now resumes from step {earlier[0]} (--resume-fallback would have gone on at"
+                " once)" if earlier else "no other checkpoint is left: pass a new --out folder")
+        raise UserError(f"{e} Moved it to {moved}; {then}.") from None
+      errors.append(f"{e} (moved to {moved})")
       continue
     if errors:
       print("opdjax: skipped unreadable checkpoints: " + " | ".join(errors), file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import urllib.parse
 from collections.abc import Sequence
 
 import jax
@@ -22,6 +23,7 @@ from opdjax.rollout.base import RolloutEngine
 from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.rollout.primary import PrimaryEngine
 from opdjax.rollout.vllm import recipe
+from opdjax.rollout.vllm.client import ServerDown, VllmClient
 from opdjax.rollout.vllm.engine import VllmEngine, VllmEngineBase
 from opdjax.rollout.vllm.multi import MultiVllmEngine
 from opdjax.rollout.vllm.server import VllmServer
@@ -33,6 +35,35 @@ def jax_engine(model: Model, params=None, *, max_len: int, pad_id: int, eos_ids:
   rounding are its config); `placement`: rows and KV cache over a mesh, None: one device."""
   return JaxEngine(model, params, max_len=max_len, pad_id=pad_id, eos_ids=tuple(eos_ids), placement=placement,
                    version=version)
+
+
+def attached_urls(vcfg) -> list[str]:
+  """The servers `rollout.vllm` attaches to (`urls`, else `url`); none when opdjax starts its own."""
+  urls = [u.strip() for u in getattr(vcfg, "urls", "").split(",") if u.strip()]
+  return urls or ([vcfg.url] if vcfg.url else [])
+
+
+def check_engine(rcfg) -> None:
+  """The engine's start-up checks that need no output folder, so that a run refused for them has
+  written nothing: the form of every attached vLLM URL, and that each answers as opdjax needs
+  (`VllmClient.info`: reachable, key or sidecar token accepted, dev mode, processed log-probs)."""
+  if rcfg.engine != "vllm":
+    return
+  for url in attached_urls(rcfg.vllm):
+    parts = urllib.parse.urlsplit(url)
+    try:
+      port = parts.port
+    except ValueError:
+      port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.path.strip("/"):
+      raise UserError(f"rollout.vllm.url(s) {url!r} is not a server's base URL; give http://HOST:PORT (no path),"
+                      " e.g. http://127.0.0.1:8000.")
+    try:
+      VllmClient(url, api_key=rcfg.vllm.api_key or None).info()
+    except ServerDown as e:
+      raise UserError(f"no vLLM server answers at {url} ({e}); start it first (`opdjax launch sidecar` prints"
+                      " its command), or leave rollout.vllm.url empty so that opdjax starts one. Nothing was"
+                      " written.") from None
 
 
 def make_engine(rcfg, student: Model, params, *, pad_id: int, eos_ids: Sequence[int], placement,
