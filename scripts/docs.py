@@ -10,6 +10,7 @@ measured) and `line` one of its renderers in FIGURES below; `NAME.provenance` wo
   python scripts/docs.py --check                    # every block equals its rendering (CI)
   python scripts/docs.py --check --demo-run DIR     # ... and the README's demo line equals that run's
   python scripts/docs.py --refresh NAME [--from DIR]  # rerun NAME's command (or read DIR), rewrite
+                                                       # its result file, its PNGs and the docs
   python scripts/docs.py --render                   # rewrite every block from the result files
   python scripts/docs.py --list                     # the registry
 
@@ -63,8 +64,10 @@ def collect_run(out: str) -> dict:
   keep = ("reverse_kl", "accuracy")
   worst = {k: max(r[k] for r in recs if k in r) for k in ("mismatch_kl_k3_tok", "mismatch_abs_r_max")
            if any(k in r for r in recs)}
-  return {"steps": last["step"], "first": {k: first[k] for k in keep}, "last": {k: last[k] for k in keep},
-          "loop_s": last.get("elapsed_s"), **({"max": worst} if worst else {})}
+  loop_s = last.get("elapsed_s")
+  return {"steps": last["step"], "first": {k: first[k] for k in keep if k in first},
+          "last": {k: last[k] for k in keep if k in last}, "loop_s": loop_s,
+          "s_per_step": loop_s / max(last["step"], 1) if loop_s else None, **({"max": worst} if worst else {})}
 
 
 def _read_json(name: str) -> Callable[[str], dict]:
@@ -75,10 +78,10 @@ def collect_tests(run: str) -> dict:
   counts = []
   for i in range(2):
     text = open(os.path.join(os.path.dirname(run), f"stdout{i}.txt")).read()
-    m = re.search(r"(\d+)(?:/\d+)? tests? collected(?: \((\d+) deselected\))?", text)
+    m = re.search(r"(\d+)(?:/\d+)? tests? collected", text)  # "283/465 tests collected (182 deselected)"
     if not m:
       raise DocsError(f"no 'N tests collected' line in {os.path.dirname(run)}/stdout{i}.txt")
-    counts.append(int(m.group(1)) - int(m.group(2) or 0))
+    counts.append(int(m.group(1)))
   return {"all": counts[0], "fast": counts[1]}
 
 
@@ -108,8 +111,7 @@ def loop_time(r: dict) -> str:
 
 
 def step_time(r: dict) -> str:
-  res = r["result"]
-  return f"about {res['loop_s'] / max(res['steps'], 1):.0f} s per step ({r['load']})"
+  return f"about {r['result']['s_per_step']:.0f} s per step ({r['load']})"
 
 
 def wall_time(r: dict) -> str:
@@ -118,8 +120,7 @@ def wall_time(r: dict) -> str:
 
 
 def tests_count(r: dict) -> str:
-  return (f"{r['result']['all']} tests collected at commit {r['commit']}, {r['result']['fast']} of them"
-          " in the fast tier")
+  return f"{r['result']['all']} tests, {r['result']['fast']} of them in the fast tier"
 
 
 def value(key: str, fmt: str = "{}") -> Callable[[dict], str]:
@@ -177,6 +178,7 @@ class Figure:
   run_views: tuple[str, ...] = ()      # views a `--demo-run` folder must reproduce (deterministic ones)
   env: dict[str, str] = field(default_factory=dict)
   note: str = ""                       # how the command ran, kept in the result file
+  images: tuple = ()                   # (path, plot(result, path)): PNGs drawn from the result by --refresh
 
 
 def kv_last(key: str, fmt: str) -> Callable[[dict], str]:
@@ -190,6 +192,7 @@ def _kv(model: str, memory: float, layers: str, *extra: str) -> Figure:
                 "last_gib": kv_last("weight_gib", "{:.3f} GiB"), "last_ratio": kv_last("kv_tokens_ratio", "{:.3f}x")})
 
 
+PSR = prefix_shift_report
 SMOLLM2 = "opdjax train --config configs/smollm2_opd.py --out {out}"
 FIGURES: dict[str, Figure] = {
     "demo": Figure(("opdjax demo --out {out}",), collect_run,
@@ -200,7 +203,9 @@ FIGURES: dict[str, Figure] = {
                     {"count": tests_count}),
     "fast_tier_time": Figure(('pytest -m "not slow"',), lambda run: {}, {"time": wall_time}),
     "prefix_shift": Figure(("opdjax prefix-shift --out {out}",), _read_json("prefix_shift.json"),
-                           {"head": prefix_shift_head, "table": prefix_shift_table}),
+                           {"head": prefix_shift_head, "table": prefix_shift_table},
+                           images=(("docs/figures/prefix_shift_divergence.png", PSR.plot_divergence),
+                                   ("docs/figures/prefix_shift_signal_error.png", PSR.plot_signal_error))),
     "mismatch": Figure(("opdjax mismatch --config configs/demo.py --out {out}",), _read_json("mismatch.json"),
                        {"table": mismatch_table, "attribution": mismatch_attribution}),
     "smollm2_jax": Figure((SMOLLM2 + " --config.train.steps=3",), collect_run, {"kl": run_kl, "time": step_time}),
@@ -273,6 +278,8 @@ def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
        **({"note": fig.note} if fig.note else {}), "wall_s": None if from_dir else round(time.time() - t0, 1),
        "result": fig.collect(run)}
   reporting.write_json(result_path(root, name), r)
+  for path, plot in fig.images:  # not compared by --check (PNG bytes vary with matplotlib), redrawn here
+    plot(r["result"], os.path.join(root, path))
   return r
 
 
@@ -283,7 +290,7 @@ class Block:
   name: str      # NAME.VIEW
   start: int     # offsets of the body in the text
   end: int
-  line: int      # line of the body's first character
+  line: int      # line of the opening marker
 
 
 def doc_files(root: str) -> list[str]:
@@ -347,7 +354,8 @@ def check(root: str, demo_run: str | None = None) -> list[str]:
       fig, view = split_name(b.name, path, b.line)
       if fig not in cache:
         cache[fig] = load_result(root, fig)
-      found = body_text(text[b.start:b.end])
+      found, body = body_text(text[b.start:b.end]), text[b.start:b.end]
+      first = b.line + (found != body)  # a block of lines starts on the line after its marker
       checks = [(cache[fig], os.path.relpath(result_path(root, fig), root))]
       if run and fig == "demo" and view in FIGURES["demo"].run_views:
         checks.append(({**cache[fig], **run}, f"the demo run {demo_run}"))
@@ -355,7 +363,7 @@ def check(root: str, demo_run: str | None = None) -> list[str]:
         want = render(b.name, r)
         if found != want:
           i, a, w = first_difference(found, want)
-          errors.append(f"{path}:{b.line + i}: docs.py:{b.name} says {a!r} where {source} gives {w!r}")
+          errors.append(f"{path}:{first + i}: docs.py:{b.name} says {a!r} where {source} gives {w!r}")
   if run and not any(b.name.startswith("demo.") for p in doc_files(root)
                     for b in blocks(open(os.path.join(root, p)).read(), p)):
     errors.append("README.md: no docs.py:demo.line block to compare the demo run with")
