@@ -26,7 +26,7 @@ LAYERS = (
     ("opdjax.config",),
     ("opdjax.pipeline",),
     ("opdjax.analyses",),
-    ("opdjax.cli",),
+    ("opdjax.cli", "opdjax.commands"),
 )
 
 

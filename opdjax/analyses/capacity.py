@@ -19,14 +19,12 @@ accounting are in docs/kv_capacity.md.
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import json
 import math
 import os
 from collections.abc import Iterable, Sequence
 
-from opdjax.analyses import reporting
 from opdjax.errors import UserError
 from opdjax.models import quant
 from opdjax.models.config import ModelConfig
@@ -308,46 +306,9 @@ def report(result: dict) -> str:
   return "\n".join([head, fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, lines)])
 
 
-def _layers_arg(text: str) -> list[int]:
+def parse_layers(text: str) -> list[int]:
+  """`--kv-bf16-layers 0,27` -> [0, 27]."""
   try:
     return [int(x) for x in text.split(",") if x.strip()]
   except ValueError:
     raise UserError(f"--kv-bf16-layers {text!r}: expected comma-separated layer indices, e.g. 0,27.") from None
-
-
-def main(argv: list[str]) -> int:
-  p = argparse.ArgumentParser(prog="opdjax kv-capacity", description=__doc__.split("\n\n")[0])
-  p.add_argument("--model", required=True,
-                 help=f"HF folder, config.json, fetch:smollm2-135m, or a known shape: {', '.join(KNOWN_SHAPES)}")
-  p.add_argument("--memory-gib", type=float, required=True, help="device memory the engine may use (e.g. 80*0.9=72)")
-  p.add_argument("--reserve-gib", type=float,
-                 help=f"activation/runtime reserve (default {DEFAULT_RESERVE_FRACTION * 100:g}%% of --memory-gib)")
-  p.add_argument("--recipe", default="fp8",
-                 help="weights: bf16, a preset (fp8, fp8_block, fp8_e5m2, int8), 'pattern>format|...',"
-                      " or a recipe file (spec or sensitivity JSON)")
-  p.add_argument("--keep-edge-layers", type=int, default=0, help="preset recipes: first/last N layers' weights bf16")
-  p.add_argument("--kv-bf16-layers", default="", help="layers whose KV stays bf16 with fp8 KV, e.g. 0,27 (default for"
-                 " a recipe file or view: its own, as rollout.vllm.recipe serves it)")
-  p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens a KV block (vLLM GPU: 16)")
-  p.add_argument("--json", help="write the result as JSON to this file")
-  p.add_argument("--out", help="folder to write kv_capacity.json into")
-  args = p.parse_args(argv)
-  from opdjax.rollout.vllm import recipe as served
-
-  name, cfg = load_model_config(args.model)
-  recipe = load_recipe(args.recipe, cfg.num_layers, args.keep_edge_layers)
-  label = os.path.basename(args.recipe) if os.path.isfile(args.recipe) else args.recipe
-  kv_layers = _layers_arg(args.kv_bf16_layers)
-  if not args.kv_bf16_layers and (os.path.isfile(args.recipe) or ">" in args.recipe):  # as a vLLM server keeps them
-    kv_layers = list(served.kv_bf16_layers(served.load(args.recipe, "--recipe"), cfg, "--recipe"))
-  result = {"model": name, "num_layers": cfg.num_layers,
-            **capacity_table(cfg, recipe, args.memory_gib, args.reserve_gib, kv_layers,
-                             args.block_size, recipe_name=label if ">" not in label else "recipe")}
-  print(report(result))
-  paths = ([args.json] if args.json else []) + ([os.path.join(args.out, "kv_capacity.json")] if args.out else [])
-  for path in paths:
-    try:
-      reporting.write_json(path, result)
-    except OSError as e:
-      raise UserError(f"could not write {path} ({e}); pass a writable --json/--out path.") from None
-  return 0

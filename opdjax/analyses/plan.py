@@ -205,56 +205,20 @@ def report(result: dict, hbm_gib: float, headroom: float) -> str:
   return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-  from opdjax.analyses.capacity import KNOWN_SHAPES
-
-  ap = argparse.ArgumentParser(
-      prog="opdjax plan", formatter_class=argparse.RawDescriptionHelpFormatter,
-      description="Per-device memory of an OPD run's train step and rollout on a device mesh, from an"
-                  " ahead-of-time compile on fake host devices (nothing is allocated, no accelerator needed).",
-      epilog=f"Models: {', '.join(KNOWN_SHAPES)}, or an HF folder / config.json.\n\n" + __doc__.split("\n\n", 2)[2])
-  ap.add_argument("--teacher", help="teacher model (required)")
-  ap.add_argument("--student", help="student model (required)")
-  ap.add_argument("--devices", type=int, default=8, help="devices of the mesh (default 8)")
-  ap.add_argument("--mesh", default="fsdp=-1", help="axis sizes, e.g. 'fsdp=8', 'data=2,fsdp=4' (default fsdp=-1)")
-  ap.add_argument("--batch", type=int, default=64, help="sequences per step (default 64)")
-  ap.add_argument("--seq-len", type=int, default=1024, help="prompt + completion tokens (default 1024)")
-  ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the rollout (default 512)")
-  ap.add_argument("--loss", choices=LOSSES, default="full_rkl")
-  ap.add_argument("--chunk", type=int, default=128, help="loss.chunk: positions per logits chunk (default 128)")
-  ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
-  ap.add_argument("--remat", choices=("nothing", "dots", "full"), default="full")
-  ap.add_argument("--layers", type=int, default=0, help="cut both models to N layers (faster compiles; see"
-                  " docs/scaling.md for scaling the result back)")
-  ap.add_argument("--hbm-gib", type=float, default=141.0, help="device memory: 141 H200 (default), 80 H100")
-  ap.add_argument("--headroom", type=float, default=0.9, help="fraction of HBM the peak may use (default 0.9)")
-  ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
-  ap.add_argument("--worker", help=argparse.SUPPRESS)
-  args = ap.parse_args(argv)
+def _worker(argv: list[str]) -> int:
+  """`python -m opdjax.analyses.plan --worker PLAN_JSON`, which `run` starts: the numbers as one JSON line."""
   from opdjax.errors import UserError
 
-  if args.worker:
-    spec = json.loads(args.worker)
-    try:
-      print(json.dumps(measure(Plan(**{**spec, "mesh": tuple(spec["mesh"])}))))
-    except UserError as e:  # one line the parent quotes
-      print(f"opdjax: error: {e}", file=sys.stderr)
-      return 2
-    return 0
-
-  if not args.teacher or not args.student:
-    ap.error("--teacher and --student are required")
-  if args.prompt_len >= args.seq_len:
-    raise UserError(f"--prompt-len {args.prompt_len} must be below --seq-len {args.seq_len} (room to generate).")
-  plan = Plan(args.teacher, args.student, args.devices, parse_mesh(args.mesh), args.batch, args.seq_len,
-              args.prompt_len, args.loss, args.chunk, args.dtype, args.remat, args.layers)
-  result = run(plan)
-  print(report(result, args.hbm_gib, args.headroom))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({**result, "hbm_gib": args.hbm_gib, "fits": fits(result, args.hbm_gib, args.headroom)}, f, indent=2)
+  ap = argparse.ArgumentParser(prog="python -m opdjax.analyses.plan")
+  ap.add_argument("--worker", required=True, metavar="PLAN_JSON")
+  spec = json.loads(ap.parse_args(argv).worker)
+  try:
+    print(json.dumps(measure(Plan(**{**spec, "mesh": tuple(spec["mesh"])}))))
+  except UserError as e:  # one line the parent quotes
+    print(f"opdjax: error: {e}", file=sys.stderr)
+    return 2
   return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(_worker(sys.argv[1:]))

@@ -1,0 +1,241 @@
+"""What each `opdjax` command does: its arguments (`*_arguments(parser)`) and its `run(args, overrides)`.
+
+`opdjax.cli.COMMANDS` lists them; analyses live in opdjax/analyses/, this module only turns flags
+into their calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+
+from opdjax.config.resolve import resolve_config
+from opdjax.errors import UserError
+
+
+def out_options(p: argparse.ArgumentParser, required: bool, help_: str) -> None:
+  p.add_argument("--out", required=required, help=help_)
+  p.add_argument("--overwrite", action="store_true",
+                 help="write into a non-empty --out that holds no run of this command (its own files are replaced,"
+                      " nothing else is touched)")
+
+
+def resolved_config(args, overrides: dict[str, str]):
+  """The command's typed config, or None once --print-config has printed it."""
+  from opdjax.config.schema import flat
+
+  cfg = resolve_config(getattr(args, "config", None), overrides)
+  if not args.print_config:
+    return cfg
+  for k, v in flat(cfg.to_dict()).items():
+    print(f"{k} = {v!r}")
+  return None
+
+
+def check_out(args) -> None:
+  from opdjax.pipeline.outdir import check_out_dir
+
+  if args.out:
+    check_out_dir(args.out, args.command_.name, args.overwrite)
+
+
+# --- train / demo ---
+
+def train_arguments(p: argparse.ArgumentParser) -> None:
+  out_options(p, True, "output folder (metrics.jsonl, config.json, student/, checkpoints/)")
+  p.add_argument("--resume", action="store_true",
+                 help="require a checkpoint in --out to resume from (an --out with one resumes anyway)")
+  p.add_argument("--resume-fallback", action="store_true",
+                 help="if the latest checkpoint cannot be restored, resume from the previous good one")
+  multi = p.add_argument_group("multi-process runs (jax.distributed; none of these: SLURM / Open MPI detection"
+                               " when they launched several tasks, else one process)")
+  multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address; every process gives the same")
+  multi.add_argument("--num-processes", type=int, metavar="N", help="how many processes the run has")
+  multi.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 <= I < N")
+  multi.add_argument("--coordinator-timeout", type=float, default=120.0, metavar="S",
+                     help="seconds to wait for every process to join before one clear error (default 120)")
+
+
+def train(args, overrides) -> int:
+  from opdjax.pipeline import distributed
+
+  # Before anything starts a JAX backend.
+  distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.coordinator_timeout)
+  cfg = resolved_config(args, overrides)
+  if cfg is None:
+    return 0
+  from opdjax.pipeline.run import train as run_train
+
+  distributed.check_same_config(cfg.to_dict())
+  result = run_train(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback,
+                 overwrite=args.overwrite)
+  distributed.finish()
+  print(result.summary())
+  print(f"wrote {args.out}/metrics.jsonl and {args.out}/student/")
+  return 0
+
+
+# --- analyses on a config: mismatch, sensitivity, prefix-shift, calibrate; admit on a budget ---
+
+def analysis(module: str, fn: str = "run", report: str = "report"):
+  def run(args, overrides) -> int:
+    cfg = resolved_config(args, overrides)
+    if cfg is None:
+      return 0
+    check_out(args)
+    m = importlib.import_module(module)
+    print(getattr(m, report)(getattr(m, fn)(cfg, args.out)))
+    return 0
+  return run
+
+
+def analysis_arguments(out_help: str = "output folder (JSON/CSV/markdown + PNG plots)", required: bool = True):
+  """An analysis's own options beyond the config: its --out."""
+  return lambda p: out_options(p, required, out_help)
+
+
+def admit_arguments(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--budget", required=True, help="budget.json written by `opdjax calibrate`")
+  p.add_argument("--candidates", required=True,
+                 help="a file with one candidate per line: NAME: ENGINE-VIEW (e.g. 'fp8: weights=fp8,lag=1')")
+  out_options(p, False, "folder for admission.json/csv/md and admission.png")
+
+
+def admit(args, overrides) -> int:
+  from opdjax.analyses import admission
+
+  check_out(args)
+  print(admission.report(admission.admit(args.budget, args.candidates, args.out, overrides)))
+  return 0
+
+
+# --- no config: kv-capacity, plan, export, models ---
+
+def kv_capacity_arguments(p: argparse.ArgumentParser) -> None:
+  from opdjax.analyses.capacity import DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE_FRACTION, KNOWN_SHAPES
+
+  p.add_argument("--model", required=True,
+                 help=f"HF folder, config.json, fetch:smollm2-135m, or a known shape: {', '.join(KNOWN_SHAPES)}")
+  p.add_argument("--memory-gib", type=float, required=True, help="device memory the engine may use (e.g. 80*0.9=72)")
+  p.add_argument("--reserve-gib", type=float,
+                 help=f"activation/runtime reserve (default {DEFAULT_RESERVE_FRACTION * 100:g}%% of --memory-gib)")
+  p.add_argument("--recipe", default="fp8",
+                 help="weights: bf16, a preset (fp8, fp8_block, fp8_e5m2, int8), 'pattern>format|...',"
+                      " or a recipe file (spec or sensitivity JSON)")
+  p.add_argument("--keep-edge-layers", type=int, default=0, help="preset recipes: first/last N layers' weights bf16")
+  p.add_argument("--kv-bf16-layers", default="", help="layers whose KV stays bf16 with fp8 KV, e.g. 0,27 (default for"
+                 " a recipe file or view: its own, as rollout.vllm.recipe serves it)")
+  p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens a KV block (vLLM GPU: 16)")
+  p.add_argument("--json", help="write the result as JSON to this file")
+  p.add_argument("--out", help="folder to write kv_capacity.json into")
+
+
+def kv_capacity(args, overrides) -> int:
+  from opdjax.analyses import capacity, reporting
+  from opdjax.rollout.vllm import recipe as served
+
+  name, cfg = capacity.load_model_config(args.model)
+  recipe = capacity.load_recipe(args.recipe, cfg.num_layers, args.keep_edge_layers)
+  label = os.path.basename(args.recipe) if os.path.isfile(args.recipe) else args.recipe
+  kv_layers = capacity.parse_layers(args.kv_bf16_layers)
+  if not args.kv_bf16_layers and (os.path.isfile(args.recipe) or ">" in args.recipe):  # as a vLLM server keeps them
+    kv_layers = list(served.kv_bf16_layers(served.load(args.recipe, "--recipe"), cfg, "--recipe"))
+  result = {"model": name, "num_layers": cfg.num_layers,
+            **capacity.capacity_table(cfg, recipe, args.memory_gib, args.reserve_gib, kv_layers, args.block_size,
+                                      recipe_name=label if ">" not in label else "recipe")}
+  print(capacity.report(result))
+  paths = ([args.json] if args.json else []) + ([os.path.join(args.out, "kv_capacity.json")] if args.out else [])
+  for path in paths:
+    try:
+      reporting.write_json(path, result)
+    except OSError as e:
+      raise UserError(f"could not write {path} ({e}); pass a writable --json/--out path.") from None
+  return 0
+
+
+def plan_arguments(p: argparse.ArgumentParser) -> None:
+  from opdjax.analyses import plan as planning
+  from opdjax.analyses.capacity import KNOWN_SHAPES
+
+  method = planning.__doc__.split("\n\n", 2)[2]  # what the numbers are (the XLA CPU compile's) and the headroom
+  p.epilog = f"Models: {', '.join(KNOWN_SHAPES)}, or an HF folder / config.json.\n\n{method}"
+  p.add_argument("--teacher", required=True, help="teacher model")
+  p.add_argument("--student", required=True, help="student model")
+  p.add_argument("--devices", type=int, default=8, help="devices of the mesh (default 8)")
+  p.add_argument("--mesh", default="fsdp=-1", help="axis sizes, e.g. 'fsdp=8', 'data=2,fsdp=4' (default fsdp=-1)")
+  p.add_argument("--batch", type=int, default=64, help="sequences per step (default 64)")
+  p.add_argument("--seq-len", type=int, default=1024, help="prompt + completion tokens (default 1024)")
+  p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the rollout (default 512)")
+  p.add_argument("--loss", choices=planning.LOSSES, default="full_rkl", help="loss.kind (default full_rkl)")
+  p.add_argument("--chunk", type=int, default=128, help="loss.chunk: positions per logits chunk (default 128)")
+  p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
+  p.add_argument("--remat", choices=("nothing", "dots", "full"), default="full",
+                 help="rematerialisation (default full)")
+  p.add_argument("--layers", type=int, default=0, help="cut both models to N layers (faster compiles; see"
+                 " docs/scaling.md for scaling the result back)")
+  p.add_argument("--hbm-gib", type=float, default=141.0, help="device memory: 141 H200 (default), 80 H100")
+  p.add_argument("--headroom", type=float, default=0.9, help="fraction of HBM the peak may use (default 0.9)")
+  p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+
+
+def plan(args, overrides) -> int:
+  from opdjax.analyses import plan as planning
+
+  if args.prompt_len >= args.seq_len:
+    raise UserError(f"--prompt-len {args.prompt_len} must be below --seq-len {args.seq_len} (room to generate).")
+  spec = planning.Plan(args.teacher, args.student, args.devices, planning.parse_mesh(args.mesh), args.batch,
+                       args.seq_len, args.prompt_len, args.loss, args.chunk, args.dtype, args.remat, args.layers)
+  result = planning.run(spec)
+  print(planning.report(result, args.hbm_gib, args.headroom))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({**result, "hbm_gib": args.hbm_gib, "fits": planning.fits(result, args.hbm_gib, args.headroom)}, f,
+                indent=2)
+  return 0
+
+
+def export_arguments(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--checkpoint", required=True, help="the run's --out folder (or its checkpoints/)")
+  p.add_argument("--out", required=True, help="new HF folder to write")
+  p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+
+
+def export(args, overrides) -> int:
+  from opdjax.pipeline.checkpoint import export as export_run
+
+  print(export_run(args.checkpoint, args.out, args.step))
+  return 0
+
+
+def fetch_arguments(p: argparse.ArgumentParser) -> None:
+  p.add_argument("name", help="smollm2-135m")
+  p.add_argument("--cache-dir", help="cache root (default: $OPDJAX_CACHE or ~/.cache/opdjax)")
+
+
+def fetch(args, overrides) -> int:
+  from opdjax.models.fetch import fetch as fetch_model
+
+  print(fetch_model(args.name, args.cache_dir))
+  return 0
+
+
+# --- launch: helpers of launch/*.sh ---
+
+def sidecar_arguments(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--model", required=True, help="HF folder the sidecar starts from")
+  p.add_argument("--port", type=int, required=True, help="port the sidecar listens on")
+  p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+  p.add_argument("--out", default=".", help="the run's folder (vLLM's caches go under it; default .)")
+
+
+def sidecar(args, overrides) -> int:
+  import shlex
+
+  from opdjax.parallel.launch import sidecar_command
+
+  cfg = resolved_config(args, overrides)
+  if cfg is not None:
+    print(shlex.join(sidecar_command(cfg, args.model, args.port, args.tp, args.out)))
+  return 0
