@@ -1,0 +1,91 @@
+"""The command registry: every command's --help, what the help says about --config against what the
+command does, the one override syntax, and `opdjax launch sidecar`."""
+
+import shlex
+
+import pytest
+
+from opdjax import cli
+from opdjax.config.loader import ConfigError
+from opdjax.config.resolve import resolve_config, split_overrides
+
+
+def _help(capsys, *words) -> str:
+  with pytest.raises(SystemExit) as e:
+    cli.main([*words, "--help"])
+  assert e.value.code == 0
+  return capsys.readouterr().out
+
+
+def _usage(text: str) -> str:
+  return " ".join(text.split("\n\n")[0].split())
+
+
+@pytest.mark.parametrize("cmd", cli.COMMANDS, ids=lambda c: c.name)
+def test_every_commands_help_says_how_it_takes_its_config(cmd, capsys):
+  text = _help(capsys, *cmd.name.split())
+  usage = _usage(text)
+  assert f"opdjax {cmd.name} [-h]" in usage
+  if cmd.config is None:
+    assert "--config" not in text and "--print-config" not in text
+    return
+  assert f"Config: {cli.CONFIG_MODES[cmd.config]}." in text
+  assert ("[--print-config]" in usage) == (cmd.config != "budget")
+  if cmd.config == "required":
+    assert "--config FILE" in usage and "[--config FILE]" not in usage
+  elif cmd.config == "default":
+    assert "[--config FILE]" in usage and "configs/demo.py" in text
+  else:
+    assert "--config FILE" not in usage  # demo and admit take no config file
+
+
+def test_top_level_help_names_each_commands_config_and_print_config(capsys):
+  text = _help(capsys)
+  assert "train, launch sidecar: --config FILE is required" in text
+  assert "demo: always the demo's config" in text and "--print-config prints every key" in text
+  assert "kv-capacity, plan, export, models fetch: no config" in text
+  assert "(the demo's when absent)" not in text  # what it said of every command, train included
+
+
+def test_the_default_config_is_the_demos_as_the_help_says(capsys):
+  assert cli.main(["mismatch", "--print-config", "--config.train.steps=7"]) == 0
+  default = capsys.readouterr().out
+  assert cli.main(["mismatch", "--print-config", "--config", "configs/demo.py", "--config.train.steps=7"]) == 0
+  assert capsys.readouterr().out == default and "train.steps = 7" in default.splitlines()
+  assert cli.main(["demo", "--out", "x", "--print-config", "--config.train.steps=7"]) == 0
+  assert capsys.readouterr().out == default
+
+
+def test_required_config_and_strange_flags_exit_2(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["train", "--out", "x", "--config.train.steps=3"])
+  assert e.value.code == 2 and "required: --config" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e:  # a command without a config takes no --config.* flags
+    cli.main(["export", "--checkpoint", "a", "--out", "b", "--config.train.steps=3"])
+  assert e.value.code == 2 and "unrecognized arguments: --config.train.steps=3" in capsys.readouterr().err
+  assert cli.main(["calibrate", "--out", "x", "--steps=3"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("opdjax: error: unrecognised argument '--steps=3'") and len(err.splitlines()) == 1
+
+
+def test_split_overrides_forms_and_errors():
+  assert split_overrides(["--config.train.steps=3", "--config.rollout.view", "lag=1,weights=fp8"]) == {
+      "train.steps": "3", "rollout.view": "lag=1,weights=fp8"}
+  with pytest.raises(ConfigError, match="needs a value: --config.seed=VALUE"):
+    split_overrides(["--config.seed"])
+  with pytest.raises(ConfigError, match="overrides look like --config.train.steps=10"):
+    split_overrides(["train.steps=3"])
+  cfg = resolve_config("configs/demo.py", split_overrides(["--config.train.steps=3", "--config.loss.kind=jsd"]))
+  assert (cfg.train.steps, cfg.loss.kind) == (3, "jsd") and resolve_config(None, {}).train.steps != 3
+
+
+def test_launch_sidecar_prints_one_servers_command(capsys, monkeypatch):
+  monkeypatch.setenv("OPDJAX_SIDECAR_TOKEN", "t" * 32)  # a sidecar beyond loopback needs one
+  assert cli.main(["launch", "sidecar", "--config", "configs/demo.py", "--model", "/models/m", "--port", "8123",
+                   "--tp", "2", "--out", "runs/x", "--config.rollout.max_len=48"]) == 0
+  cmd = shlex.split(capsys.readouterr().out.strip())
+  opt = lambda flag: cmd[cmd.index(flag) + 1]
+  assert cmd[0] == "env" and "VLLM_SERVER_DEV_MODE=1" in cmd and "t" * 32 not in " ".join(cmd)
+  assert (opt("--model"), opt("--port"), opt("--tensor-parallel-size"), opt("--max-model-len")) == (
+      "/models/m", "8123", "2", "48")
+  assert opt("--host") == "0.0.0.0"
