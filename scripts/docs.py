@@ -5,7 +5,8 @@ A figure lives between marker comments, inline or as a block of lines:
   held-out reverse KL <!-- docs.py:demo.line -->**8.086 -> 0.1181** ...<!-- /docs.py:demo.line -->
 
 `demo` names a result file (docs/results/demo.json: the command, commit, machine, date and what it
-measured) and `line` one of its renderers in FIGURES below; `NAME.provenance` works for every NAME.
+measured) and `line` one of its renderers (the registry: scripts/docs_figures.py); `NAME.provenance`
+works for every NAME.
 
   python scripts/docs.py --check                    # every block equals its rendering (CI)
   python scripts/docs.py --check --demo-run DIR     # ... and the README's demo line equals that run's
@@ -33,190 +34,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the renderers reuse opdjax's own table code (no jax import)
-from opdjax.analyses import prefix_shift_report, reporting  # noqa: E402
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]  # opdjax's table code (no jax import)
+from docs_figures import FIGURES, DocsError, collect_run, provenance  # noqa: E402
+
+from opdjax.analyses import reporting  # noqa: E402
 
 MARK = re.compile(r"<!-- (/?)docs\.py:([\w.-]+) -->")
 TOKEN = re.compile(r"[^\s|*`(),;]+")
 META = ("command", "commit", "machine", "date", "measured")
-
-
-class DocsError(Exception):
-  pass
-
-
-# ---------------------------------------------------------------- collectors: command output -> result
-def _metrics(path: str) -> list[dict]:
-  """A run folder or its metrics.jsonl -> the records."""
-  path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
-  if not os.path.isfile(path):
-    raise DocsError(f"{path}: no metrics.jsonl there; pass a run folder or its metrics.jsonl")
-  return [json.loads(line) for line in open(path) if line.strip()]
-
-
-def collect_run(out: str) -> dict:
-  recs = _metrics(out)
-  first, last = recs[0], recs[-1]
-  keep = ("reverse_kl", "accuracy")
-  worst = {k: max(r[k] for r in recs if k in r) for k in ("mismatch_kl_k3_tok", "mismatch_abs_r_max")
-           if any(k in r for r in recs)}
-  loop_s = last.get("elapsed_s")
-  return {"steps": last["step"], "first": {k: first[k] for k in keep if k in first},
-          "last": {k: last[k] for k in keep if k in last}, "loop_s": loop_s,
-          "s_per_step": loop_s / max(last["step"], 1) if loop_s else None, **({"max": worst} if worst else {})}
-
-
-def _read_json(name: str) -> Callable[[str], dict]:
-  return lambda out: json.load(open(os.path.join(out, name)))
-
-
-def collect_tests(run: str) -> dict:
-  counts = []
-  for i in range(2):
-    text = open(os.path.join(os.path.dirname(run), f"stdout{i}.txt")).read()
-    m = re.search(r"(\d+)(?:/\d+)? tests? collected", text)  # "283/465 tests collected (182 deselected)"
-    if not m:
-      raise DocsError(f"no 'N tests collected' line in {os.path.dirname(run)}/stdout{i}.txt")
-    counts.append(int(m.group(1)))
-  return {"all": counts[0], "fast": counts[1]}
-
-
-# ---------------------------------------------------------------- renderers: result file -> text
-def _g(x: float, n: int = 4) -> str:
-  return f"{x:.{n}g}"
-
-
-def demo_line(r: dict) -> str:
-  a, b = r["result"]["first"], r["result"]["last"]
-  return (f"held-out reverse KL **{_g(a['reverse_kl'])} -> {_g(b['reverse_kl'])}** nats/token and accuracy"
-          f" **{a['accuracy']:.3f} -> {b['accuracy']:.3f}** over {r['result']['steps']} steps")
-
-
-def run_kl(r: dict) -> str:
-  a, b = r["result"]["first"], r["result"]["last"]
-  return f"held-out reverse KL {a['reverse_kl']:.3g} -> {b['reverse_kl']:.3g} after {r['result']['steps']} steps"
-
-
-def run_mismatch(r: dict) -> str:
-  m = r["result"]["max"]
-  return f"k3 <= {m['mismatch_kl_k3_tok']:.1g} and max |r| {m['mismatch_abs_r_max']:.2g}"
-
-
-def loop_time(r: dict) -> str:
-  return f"{r['result']['loop_s']:.0f} s ({r['load']})"
-
-
-def step_time(r: dict) -> str:
-  return f"about {r['result']['s_per_step']:.0f} s per step ({r['load']})"
-
-
-def wall_time(r: dict) -> str:
-  m, s = divmod(round(r["wall_s"]), 60)
-  return f"{m} min {s} s" + (f" ({r['load']})" if r.get("load") else "")
-
-
-def tests_count(r: dict) -> str:
-  return f"{r['result']['all']} tests, {r['result']['fast']} of them in the fast tier"
-
-
-def value(key: str, fmt: str = "{}") -> Callable[[dict], str]:
-  return lambda r: fmt.format(r["result"][key])
-
-
-def prefix_shift_head(r: dict) -> str:
-  return prefix_shift_report.report(r["result"]).split("\n")[0]
-
-
-def prefix_shift_table(r: dict) -> str:
-  return prefix_shift_report.summary_table(r["result"])
-
-
-MISMATCH_COLUMNS = ("exact_kl", "kl_k3_tok", "abs_r_max")
-
-
-def mismatch_table(r: dict) -> str:
-  rows = [{"view": v, **{c: m[c] for c in MISMATCH_COLUMNS}} for v, m in r["result"]["views"].items()]
-  return reporting.markdown_table(rows, ("view", *MISMATCH_COLUMNS))
-
-
-def mismatch_attribution(r: dict) -> str:
-  parts = []
-  for view, rows in r["result"]["attribution"].items():
-    total = rows["total"]
-    each = ", ".join(f"{k} {_g(v, 3)} ({100 * v / max(total, 1e-30):.1f}%)" for k, v in rows.items() if k != "total")
-    parts.append(f"`{view}` (exact KL {_g(total, 3)}): {each}")
-  return "; ".join(parts)
-
-
-def kv_table(r: dict) -> str:
-  """`opdjax kv-capacity --json` rows in the CLI's column layout, without its heading line."""
-  res = r["result"]
-  cols = ("weights", "kv", "weight GiB", "KV B/token", "KV blocks", "KV tokens", "ratio")
-  rows = [[x["weights"], x["kv"], f"{x['weight_gib']:.3f}", str(x["kv_bytes_per_token"]), f"{x['kv_blocks']:,}",
-           f"{x['kv_tokens']:,}" if x["fits"] else f"0 (needs {x['memory_needed_gib']:.2f} GiB)",
-           "-" if x["kv_tokens_ratio"] is None else f"{x['kv_tokens_ratio']:.3f}x"] for x in res["rows"]]
-  widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-  fmt = lambda row: "  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
-  return "\n".join(["```", *map(fmt, [list(cols), *rows]), "```"])
-
-
-def provenance(r: dict) -> str:
-  when = r["measured"] if r["measured"] != "fresh run" else f"{r['date']}, commit {r['commit']}"
-  return f"`{' && '.join(r['command'])}` ({when}; {r['machine']})"
-
-
-# ---------------------------------------------------------------- the registry
-@dataclass(frozen=True)
-class Figure:
-  commands: tuple[str, ...]            # shell lines; {out}: a fresh folder the result is collected from
-  collect: Callable[[str], dict]
-  views: dict[str, Callable[[dict], str]]
-  run_views: tuple[str, ...] = ()      # views a `--demo-run` folder must reproduce (deterministic ones)
-  env: dict[str, str] = field(default_factory=dict)
-  note: str = ""                       # how the command ran, kept in the result file
-  images: tuple = ()                   # (path, plot(result, path)): PNGs drawn from the result by --refresh
-
-
-def kv_last(key: str, fmt: str) -> Callable[[dict], str]:
-  """A number of the last row (recipe weights, FP8 KV), for prose."""
-  return lambda r: fmt.format(r["result"]["rows"][-1][key])
-
-
-def _kv(model: str, memory: float, layers: str, *extra: str) -> Figure:
-  cmd = f"opdjax kv-capacity --model {model} --memory-gib {memory} --kv-bf16-layers {layers} {' '.join(extra)}"
-  return Figure((cmd.strip() + " --json {out}/kv.json",), _read_json("kv.json"), {"table": kv_table,
-                "last_gib": kv_last("weight_gib", "{:.3f} GiB"), "last_ratio": kv_last("kv_tokens_ratio", "{:.3f}x")})
-
-
-PSR = prefix_shift_report
-SMOLLM2 = "opdjax train --config configs/smollm2_opd.py --out {out}"
-FIGURES: dict[str, Figure] = {
-    "demo": Figure(("opdjax demo --out {out}",), collect_run,
-                   {"line": demo_line, "time": loop_time}, run_views=("line",),
-                   env={"OPDJAX_CACHE": "{out}/cache"}, note="OPDJAX_CACHE an empty folder: the demo models are"
-                   " built first, as on a fresh clone and in CI"),
-    "tests": Figure(("pytest --collect-only -q", 'pytest --collect-only -q -m "not slow"'), collect_tests,
-                    {"count": tests_count}),
-    "fast_tier_time": Figure(('pytest -m "not slow"',), lambda run: {}, {"time": wall_time}),
-    "prefix_shift": Figure(("opdjax prefix-shift --out {out}",), _read_json("prefix_shift.json"),
-                           {"head": prefix_shift_head, "table": prefix_shift_table},
-                           images=(("docs/figures/prefix_shift_divergence.png", PSR.plot_divergence),
-                                   ("docs/figures/prefix_shift_signal_error.png", PSR.plot_signal_error))),
-    "mismatch": Figure(("opdjax mismatch --config configs/demo.py --out {out}",), _read_json("mismatch.json"),
-                       {"table": mismatch_table, "attribution": mismatch_attribution}),
-    "smollm2_jax": Figure((SMOLLM2 + " --config.train.steps=3",), collect_run, {"kl": run_kl, "time": step_time}),
-    "smollm2_vllm": Figure((SMOLLM2 + " --config.train.steps=4 --config.rollout.engine=vllm",), collect_run,
-                           {"kl": run_kl, "time": step_time, "mismatch": run_mismatch}),
-    "kv_smollm2": _kv("fetch:smollm2-135m", 72, "0"),
-    "kv_qwen3_1p7b": _kv("qwen3-1.7b", 72, "27"),
-    "kv_qwen3_1p7b_block": _kv("qwen3-1.7b", 72, "27", "--recipe fp8_block --keep-edge-layers 1"),
-    "kv_qwen3_8b_72": _kv("qwen3-8b", 72, "0,35"),
-    "kv_qwen3_8b_21": _kv("qwen3-8b", 21.6, "0,35"),
-}
 
 
 # ---------------------------------------------------------------- result files
@@ -255,6 +83,9 @@ def load_text(start: float) -> str:
 
 def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
   fig = FIGURES[name]
+  if fig.collect is None and not from_dir:
+    raise DocsError(f"{name}'s numbers are read off `{' && '.join(fig.commands)}` by hand: rerun it and edit"
+                    f" docs/results/{name}.json (result, measured, commit, machine, date), then --render")
   load0, t0 = os.getloadavg()[0], time.time()
   run = from_dir or os.path.join(tempfile.mkdtemp(prefix=f"docs-{name}-"), "run")
   if not from_dir:  # {out} is an empty folder; command i's stdout goes next to it (stdout{i}.txt)
@@ -318,9 +149,11 @@ def blocks(text: str, path: str) -> list[Block]:
 
 def split_name(name: str, path: str, line: int) -> tuple[str, str]:
   fig, _, view = name.partition(".")
-  if fig not in FIGURES or (view != "provenance" and view not in FIGURES[fig].views):
-    known = ", ".join(f"{f}.{v}" for f, x in FIGURES.items() for v in (*x.views, "provenance"))
-    raise DocsError(f"{path}:{line}: unknown figure docs.py:{name} (known: {known})")
+  if fig not in FIGURES:
+    raise DocsError(f"{path}:{line}: unknown figure docs.py:{name} (NAMEs: {', '.join(FIGURES)})")
+  if view != "provenance" and view not in FIGURES[fig].views:
+    raise DocsError(f"{path}:{line}: unknown figure docs.py:{name} ({fig}'s views:"
+                    f" {', '.join([*FIGURES[fig].views, 'provenance'])})")
   return fig, view
 
 

@@ -1,0 +1,238 @@
+"""The registry of scripts/docs.py: for each NAME its command, how its result is collected from the
+command's output, and how each view of it renders into the docs.
+
+A renderer takes the whole result file (`r["result"]` plus command, commit, machine, date, load) and
+returns the text between `<!-- docs.py:NAME.VIEW -->` and `<!-- /docs.py:NAME.VIEW -->`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from opdjax.analyses import prefix_shift_report, reporting
+
+
+class DocsError(Exception):
+  pass
+
+
+# ---------------------------------------------------------------- collectors: command output -> result
+def _metrics(path: str) -> list[dict]:
+  """A run folder or its metrics.jsonl -> the records."""
+  path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
+  if not os.path.isfile(path):
+    raise DocsError(f"{path}: no metrics.jsonl there; pass a run folder or its metrics.jsonl")
+  return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def collect_run(out: str) -> dict:
+  recs = _metrics(out)
+  first, last = recs[0], recs[-1]
+  keep = ("reverse_kl", "accuracy")
+  worst = {k: max(r[k] for r in recs if k in r) for k in ("mismatch_kl_k3_tok", "mismatch_abs_r_max")
+           if any(k in r for r in recs)}
+  loop_s = last.get("elapsed_s")
+  return {"steps": last["step"], "first": {k: first[k] for k in keep if k in first},
+          "last": {k: last[k] for k in keep if k in last}, "loop_s": loop_s,
+          "s_per_step": loop_s / max(last["step"], 1) if loop_s else None, **({"max": worst} if worst else {})}
+
+
+def _read_json(name: str) -> Callable[[str], dict]:
+  return lambda out: json.load(open(os.path.join(out, name)))
+
+
+def _stdout(run: str, i: int = 0) -> str:
+  return open(os.path.join(os.path.dirname(run), f"stdout{i}.txt")).read()
+
+
+def collect_last_json(run: str) -> dict:
+  """A bench script's one JSON line (its last line of output)."""
+  return json.loads(_stdout(run).strip().splitlines()[-1])
+
+
+def collect_trials(run: str) -> dict:
+  m = re.search(r"(\d+) of (\d+) matched", _stdout(run))
+  return {"matched": int(m.group(1)), "trials": int(m.group(2))}
+
+
+def _mb(path: str) -> float:
+  """Bytes on disk under path in MB, a file linked twice counted once (as du does)."""
+  seen, total = set(), 0
+  for d, _, files in os.walk(path):
+    for f in files:
+      st = os.lstat(os.path.join(d, f))
+      if (st.st_dev, st.st_ino) not in seen:
+        seen.add((st.st_dev, st.st_ino))
+        total += st.st_blocks * 512
+  return total / 1e6
+
+
+def collect_disk(run: str) -> dict:
+  steps = glob.glob(os.path.join(run, "checkpoints", "latest", "*"))
+  return {"checkpoints_mb": _mb(os.path.join(run, "checkpoints")), "latest_steps": len(steps),
+          "checkpoint_mb": max(map(_mb, steps), default=0.0), "run_mb": _mb(run)}
+
+
+def collect_tests(run: str) -> dict:
+  counts = []
+  for i in range(2):
+    text = _stdout(run, i)
+    m = re.search(r"(\d+)(?:/\d+)? tests? collected", text)  # "283/465 tests collected (182 deselected)"
+    if not m:
+      raise DocsError(f"no 'N tests collected' line in {os.path.dirname(run)}/stdout{i}.txt")
+    counts.append(int(m.group(1)))
+  return {"all": counts[0], "fast": counts[1]}
+
+
+# ---------------------------------------------------------------- renderers: result file -> text
+def _g(x: float, n: int = 4) -> str:
+  return f"{x:.{n}g}"
+
+
+def demo_line(r: dict) -> str:
+  a, b = r["result"]["first"], r["result"]["last"]
+  return (f"held-out reverse KL **{_g(a['reverse_kl'])} -> {_g(b['reverse_kl'])}** nats/token and accuracy"
+          f" **{a['accuracy']:.3f} -> {b['accuracy']:.3f}** over {r['result']['steps']} steps")
+
+
+def run_kl(r: dict) -> str:
+  a, b = r["result"]["first"], r["result"]["last"]
+  return f"held-out reverse KL {a['reverse_kl']:.3g} -> {b['reverse_kl']:.3g} after {r['result']['steps']} steps"
+
+
+def run_mismatch(r: dict) -> str:
+  m = r["result"]["max"]
+  return f"k3 <= {m['mismatch_kl_k3_tok']:.1g} and max |r| {m['mismatch_abs_r_max']:.2g}"
+
+
+def loop_time(r: dict) -> str:
+  return f"{r['result']['loop_s']:.0f} s"
+
+
+def step_time(r: dict) -> str:
+  return f"about {r['result']['s_per_step']:.0f} s per step"
+
+
+def wall_time(r: dict) -> str:
+  m, s = divmod(round(r["wall_s"]), 60)
+  return f"{m} min {s} s"
+
+
+def tests_count(r: dict) -> str:
+  return f"{r['result']['all']} tests, {r['result']['fast']} of them in the fast tier"
+
+
+def value(key: str, fmt: str = "{}") -> Callable[[dict], str]:
+  return lambda r: fmt.format(r["result"][key])
+
+
+def prefix_shift_head(r: dict) -> str:
+  return prefix_shift_report.report(r["result"]).split("\n")[0]
+
+
+def prefix_shift_table(r: dict) -> str:
+  return prefix_shift_report.summary_table(r["result"])
+
+
+MISMATCH_COLUMNS = ("exact_kl", "kl_k3_tok", "abs_r_max")
+
+
+def mismatch_table(r: dict) -> str:
+  rows = [{"view": v, **{c: _g(m[c], 2) for c in MISMATCH_COLUMNS}} for v, m in r["result"]["views"].items()]
+  return reporting.markdown_table(rows, ("view", *MISMATCH_COLUMNS))
+
+
+def mismatch_attribution(r: dict) -> str:
+  parts = []
+  for view, rows in r["result"]["attribution"].items():
+    total = rows["total"]
+    each = ", ".join(f"{k} {_g(v, 3)} ({100 * v / max(total, 1e-30):.1f}%)" for k, v in rows.items() if k != "total")
+    parts.append(f"`{view}` (exact KL {_g(total, 3)}): {each}")
+  return "; ".join(parts)
+
+
+def kv_table(r: dict) -> str:
+  """`opdjax kv-capacity --json` rows in the CLI's column layout, without its heading line."""
+  res = r["result"]
+  cols = ("weights", "kv", "weight GiB", "KV B/token", "KV blocks", "KV tokens", "ratio")
+  rows = [[x["weights"], x["kv"], f"{x['weight_gib']:.3f}", str(x["kv_bytes_per_token"]), f"{x['kv_blocks']:,}",
+           f"{x['kv_tokens']:,}" if x["fits"] else f"0 (needs {x['memory_needed_gib']:.2f} GiB)",
+           "-" if x["kv_tokens_ratio"] is None else f"{x['kv_tokens_ratio']:.3f}x"] for x in res["rows"]]
+  widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+  fmt = lambda row: "  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+  return "\n".join(["```", *map(fmt, [list(cols), *rows]), "```"])
+
+
+def provenance(r: dict) -> str:
+  when = r["measured"] if r["measured"] != "fresh run" else f"{r['date']}, commit {r['commit']}"
+  load = f"; {r['load']}" if r.get("load") else ""  # a timing says its load
+  return f"`{' && '.join(r['command'])}` ({when}; {r['machine']}{load})"
+
+
+# ---------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class Figure:
+  commands: tuple[str, ...]            # shell lines; {out}: a fresh folder the result is collected from
+  collect: Callable[[str], dict] | None  # None: the numbers were read off the output by hand
+  views: dict[str, Callable[[dict], str]]
+  run_views: tuple[str, ...] = ()      # views a `--demo-run` folder must reproduce (deterministic ones)
+  env: dict[str, str] = field(default_factory=dict)
+  note: str = ""                       # how the command ran, kept in the result file
+  images: tuple = ()                   # (path, plot(result, path)): PNGs drawn from the result by --refresh
+
+
+def kv_last(key: str, fmt: str) -> Callable[[dict], str]:
+  """A number of the last row (recipe weights, FP8 KV), for prose."""
+  return lambda r: fmt.format(r["result"]["rows"][-1][key])
+
+
+def _kv(model: str, memory: float, layers: str, *extra: str) -> Figure:
+  cmd = f"opdjax kv-capacity --model {model} --memory-gib {memory} --kv-bf16-layers {layers} {' '.join(extra)}"
+  return Figure((cmd.strip() + " --json {out}/kv.json",), _read_json("kv.json"), {"table": kv_table,
+                "last_gib": kv_last("weight_gib", "{:.3f} GiB"), "last_ratio": kv_last("kv_tokens_ratio", "{:.3f}x")})
+
+
+PSR = prefix_shift_report
+SMOLLM2 = "opdjax train --config configs/smollm2_opd.py --out {out}"
+FIGURES: dict[str, Figure] = {
+    "demo": Figure(("opdjax demo --out {out}",), collect_run,
+                   {"line": demo_line, "time": loop_time}, run_views=("line",),
+                   env={"OPDJAX_CACHE": "{out}/cache"}, note="OPDJAX_CACHE an empty folder: the demo models are"
+                   " built first, as on a fresh clone and in CI"),
+    "tests": Figure(("pytest --collect-only -q", 'pytest --collect-only -q -m "not slow"'), collect_tests,
+                    {"count": tests_count}),
+    "fast_tier_time": Figure(('pytest -m "not slow"',), lambda run: {}, {"time": wall_time}),
+    "prefix_shift": Figure(("opdjax prefix-shift --out {out}",), _read_json("prefix_shift.json"),
+                           {"head": prefix_shift_head, "table": prefix_shift_table},
+                           images=(("docs/figures/prefix_shift_divergence.png", PSR.plot_divergence),
+                                   ("docs/figures/prefix_shift_signal_error.png", PSR.plot_signal_error))),
+    "mismatch": Figure(("opdjax mismatch --config configs/demo.py --out {out}",), _read_json("mismatch.json"),
+                       {"table": mismatch_table, "attribution": mismatch_attribution}),
+    "smollm2_jax": Figure((SMOLLM2 + " --config.train.steps=3",), collect_run, {"kl": run_kl, "time": step_time}),
+    "smollm2_vllm": Figure((SMOLLM2 + " --config.train.steps=4 --config.rollout.engine=vllm",), collect_run,
+                           {"kl": run_kl, "time": step_time, "mismatch": run_mismatch}),
+    "compile_depth": Figure(("python bench/compile.py",), collect_last_json, {"ratio": value("cpu_ratio", "{:.2f}x")},
+                            env={"PYTHONPATH": "."}),
+    "fault_trials": Figure(("python scripts/fault_trials.py --trials 6",), collect_trials,
+                           {"matched": lambda r: f"{r['result']['matched']} of {r['result']['trials']}"},
+                           env={"PYTHONPATH": "."}),
+    "smollm2_disk": Figure((SMOLLM2 + " --config.train.steps=4",), collect_disk,
+                           {"checkpoint": value("checkpoint_mb", "about {:.0f} MB"),
+                            "total": value("checkpoints_mb", "{:.0f} MB")}),
+    "smollm2_fetch": Figure(("opdjax models fetch smollm2-135m",), None, {"time": value("first_s", "about {} s")}),
+    "vllm_sidecar": Figure(("pytest -s tests/test_vllm.py",), None,
+                           {"start": value("start_s"), "logprob_diff": value("max_abs_diff", "{:.2g}")}),
+    "parallel_parity": Figure(("pytest -s tests/test_parallel.py",), None,
+                              {"loss": value("loss_rel", "{:.2g}"), "params": value("params_abs", "{:.2g}"),
+                               "processes": value("processes_params_abs", "{:.2g}")}),
+    "kv_smollm2": _kv("fetch:smollm2-135m", 72, "0"),
+    "kv_qwen3_1p7b": _kv("qwen3-1.7b", 72, "27"),
+    "kv_qwen3_1p7b_block": _kv("qwen3-1.7b", 72, "27", "--recipe fp8_block --keep-edge-layers 1"),
+    "kv_qwen3_8b_72": _kv("qwen3-8b", 72, "0,35"),
+    "kv_qwen3_8b_21": _kv("qwen3-8b", 21.6, "0,35"),
+}
