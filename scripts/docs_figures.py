@@ -168,6 +168,17 @@ def kv_table(r: dict) -> str:
   return "\n".join(["```", *map(fmt, [list(cols), *rows]), "```"])
 
 
+def _jsonl(name: str) -> Callable[[str], dict]:
+  return lambda run: {"records": [json.loads(line) for line in open(os.path.join(run, name)) if line.strip()]}
+
+
+def scaling_tables(r: dict) -> str:
+  """scripts/plan_table.py's own tables (imported here only: it imports jax)."""
+  import plan_table
+
+  return plan_table.markdown_of(r["result"]["records"])
+
+
 def provenance(r: dict) -> str:
   when = r["measured"] if r["measured"] != "fresh run" else f"{r['date']}, commit {r['commit']}"
   load = f"; {r['load']}" if r.get("load") else ""  # a timing says its load
@@ -213,7 +224,9 @@ FIGURES: dict[str, Figure] = {
                                    ("docs/figures/prefix_shift_signal_error.png", PSR.plot_signal_error))),
     "mismatch": Figure(("opdjax mismatch --config configs/demo.py --out {out}",), _read_json("mismatch.json"),
                        {"table": mismatch_table, "attribution": mismatch_attribution}),
-    "smollm2_jax": Figure((SMOLLM2 + " --config.train.steps=3",), collect_run, {"kl": run_kl, "time": step_time}),
+    "smollm2_jax": Figure((SMOLLM2 + " --config.train.steps=4",), lambda run: {**collect_run(run), **collect_disk(run)},
+                          {"kl": run_kl, "time": step_time, "checkpoint": value("checkpoint_mb", "about {:.0f} MB"),
+                           "checkpoints": value("checkpoints_mb", "{:.0f} MB")}),
     "smollm2_vllm": Figure((SMOLLM2 + " --config.train.steps=4 --config.rollout.engine=vllm",), collect_run,
                            {"kl": run_kl, "time": step_time, "mismatch": run_mismatch}),
     "compile_depth": Figure(("python bench/compile.py",), collect_last_json, {"ratio": value("cpu_ratio", "{:.2f}x")},
@@ -230,6 +243,8 @@ FIGURES: dict[str, Figure] = {
     "parallel_parity": Figure(("pytest -s tests/test_parallel.py",), None,
                               {"loss": value("loss_rel", "{:.2g}"), "params": value("params_abs", "{:.2g}"),
                                "processes": value("processes_params_abs", "{:.2g}")}),
+    "scaling": Figure(("python scripts/plan_table.py --out {out}/scaling_results.jsonl",),
+                      _jsonl("scaling_results.jsonl"), {"tables": scaling_tables}, env={"PYTHONPATH": "."}),
     "kv_smollm2": _kv("fetch:smollm2-135m", 72, "0"),
     "kv_qwen3_1p7b": _kv("qwen3-1.7b", 72, "27"),
     "kv_qwen3_1p7b_block": _kv("qwen3-1.7b", 72, "27", "--recipe fp8_block --keep-edge-layers 1"),

@@ -88,7 +88,11 @@ def _peak(r: dict) -> float:
 
 def markdown(path: str) -> str:
   with open(path) as f:
-    results = [json.loads(line) for line in f if line.strip()]
+    return markdown_of([json.loads(line) for line in f if line.strip()])
+
+
+def markdown_of(results: list[dict]) -> str:
+  """The tables of docs/scaling.md (scripts/docs.py renders them from docs/results/scaling.json)."""
   parts = []
   for w in WORKLOADS[:1]:
     rows = [r for r in results if (r["plan"]["batch"], r["plan"]["seq_len"]) == (w["batch"], w["seq_len"])]
