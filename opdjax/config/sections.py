@@ -1,0 +1,311 @@
+"""The training run's config sections, one frozen dataclass each (task, model, student, teacher,
+rollout and its vLLM server, train, mesh), and the checks every section shares. `opdjax.config.schema`
+assembles them (with the analyses' sections, `opdjax.config.analysis_sections`) into `Config` and
+builds it from a ConfigDict.
+
+Every error names the key and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+
+from opdjax.errors import UserError
+from opdjax.models.decoder import REMAT_POLICIES
+from opdjax.rollout.base import SamplingParams
+
+ENGINES = ("jax", "vllm")
+DTYPES = ("float32", "bfloat16")
+NONFINITE = ("halt", "skip")
+TASKS = ("addition", "prompts")
+BEST_METRICS = ("", "reverse_kl", "accuracy")
+ASYNC_MODES = ("exact", "bounded")
+GUARDS = ("warn", "backoff", "halt")
+
+
+def check_choice(key: str, value, choices) -> None:
+  if value not in choices:
+    raise UserError(f"{key}={value!r}; choose one of {', '.join(repr(c) for c in choices)}.")
+
+
+def check_positive(key: str, value, minimum=1) -> None:
+  if value < minimum:
+    raise UserError(f"{key}={value}: must be >= {minimum}.")
+
+
+def check_views(key: str, spec: str, sep: str = ";") -> None:
+  from opdjax.views.view import EngineView
+
+  for item in spec.split(sep):
+    try:
+      EngineView.parse(item)
+    except UserError as e:
+      raise UserError(f"{key}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  """`addition` (built-in, exact verifier) or `prompts` (`path`: a JSONL of prompts, or builtin:NAME)."""
+
+  name: str = "addition"
+  max_digits: int = 2
+  num_eval: int = 256
+  path: str = ""
+  chat_template: bool = False
+
+  def check(self):
+    check_choice("task.name", self.name, TASKS)
+    check_positive("task.num_eval", self.num_eval)
+    if self.name == "prompts":
+      if not self.path:
+        raise UserError("task.path is empty: task.name='prompts' needs a JSONL of prompts (or builtin:NAME).")
+      if not self.path.startswith("builtin:") and not os.path.exists(self.path):
+        raise UserError(f"task.path={self.path!r} does not exist; give a JSONL file of prompts.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Compute dtype of both models' matmuls (params stay fp32; logits and KL are always fp32) and the
+  rematerialisation policy of the scanned layers."""
+
+  dtype: str = "float32"
+  remat_policy: str = "nothing"
+
+  def check(self):
+    check_choice("model.dtype", self.dtype, DTYPES)
+    check_choice("model.remat_policy", self.remat_policy, REMAT_POLICIES)
+
+
+def _check_path(role: str, path: str) -> None:
+  if path and not path.startswith("fetch:") and not os.path.isdir(path):
+    raise UserError(f"{role}.path={path!r} is not a folder; give a Hugging Face safetensors folder or"
+                    " fetch:NAME (see `opdjax models fetch`).")
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentConfig:
+  """`path`: an HF folder or `fetch:NAME`; empty builds the demo's model (addition task only).
+  `keep_layers` prunes a loaded model (`0::2` keeps every other layer). The rest size the demo model."""
+
+  path: str = ""
+  keep_layers: str = ""
+  hidden_size: int = 32
+  num_layers: int = 2
+  num_heads: int = 4
+  sft_steps: int = 100
+  sft_batch: int = 64
+  sft_lr: float = 3e-3
+
+  def check(self, role: str = "student"):
+    _check_path(role, self.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig(StudentConfig):
+  """As the student's, plus `view`: score with a perturbed teacher (e.g. `weights=fp8`)."""
+
+  view: str = "clean"
+  hidden_size: int = 64
+  sft_steps: int = 1200
+
+  def check(self, role: str = "teacher"):
+    super().check(role)
+    check_views("teacher.view", self.view, sep="\0")
+    from opdjax.views.view import EngineView
+
+    if EngineView.parse(self.view).lag:
+      raise UserError("teacher.view cannot have a lag: the teacher never changes.")
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmConfig:
+  """rollout.engine='vllm': a vLLM server (started here, or `url` to attach) samples; weights are
+  synced every step. quantization / kv_cache_dtype ('fp8') need a GPU. `extra_args`: more
+  `vllm serve` flags, shell-quoted (e.g. '--max-num-seqs 128'). Several servers: `urls` (attach,
+  comma-separated) or `num_servers` (started here, `tensor_parallel_size` GPUs each, taken in order
+  from `gpus` when given): prompts are spread across them (opdjax.rollout.vllm.multi)."""
+
+  url: str = ""
+  urls: str = ""
+  num_servers: int = 1
+  gpus: str = ""
+  dtype: str = "float32"
+  quantization: str = ""
+  kv_cache_dtype: str = ""
+  gpu_memory_utilization: float = 0.0
+  tensor_parallel_size: int = 1
+  enforce_eager: bool = True
+  api_key: str = ""
+  python: str = ""
+  cpu_kvcache_gib: int = 1
+  extra_args: str = ""
+  recipe: str = ""  # recipe.json of `opdjax sensitivity` (or its view): FP8 weights and KV (rollout.vllm.recipe)
+
+  @property
+  def extra_argv(self) -> tuple[str, ...]:
+    return tuple(shlex.split(self.extra_args))
+
+  def check(self):
+    check_positive("rollout.vllm.tensor_parallel_size", self.tensor_parallel_size)
+    check_positive("rollout.vllm.num_servers", self.num_servers)
+    urls = [u for u in self.urls.split(",") if u.strip()]
+    if urls and (self.url or self.num_servers > 1):
+      raise UserError(f"rollout.vllm.urls={self.urls!r} attaches to running servers; leave rollout.vllm.url empty and"
+                      " rollout.vllm.num_servers=1 (it counts servers opdjax starts), or give the one url alone.")
+    if self.url and self.num_servers > 1:
+      raise UserError(f"rollout.vllm.url={self.url!r} with rollout.vllm.num_servers={self.num_servers}: list the"
+                      " running servers in rollout.vllm.urls, or leave url empty to start num_servers here.")
+    gpus = [g for g in self.gpus.split(",") if g.strip()]
+    if gpus and len(gpus) != self.num_servers * self.tensor_parallel_size:
+      need = self.num_servers * self.tensor_parallel_size
+      raise UserError(f"rollout.vllm.gpus={self.gpus!r} lists {len(gpus)} GPUs; {self.num_servers} server(s) x"
+                      f" tensor_parallel_size={self.tensor_parallel_size} need {need}.")
+    try:
+      shlex.split(self.extra_args)
+    except ValueError as e:
+      raise UserError(f"rollout.vllm.extra_args={self.extra_args!r}: {e}; quote it as for a shell.") from None
+    if self.recipe:
+      from opdjax.rollout.vllm.recipe import check_config
+
+      check_config(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """`async_depth` k > 0: a producer samples while the trainer trains, at most k params versions
+  behind (opdjax.pipeline.async_sampler); `async_mode` exact (always k behind: equals the `lag=k`
+  view bitwise) or bounded (the newest params within k). `devices`: the local device index the JAX
+  engine's producer samples on (default: the last one that is not the trainer's)."""
+
+  engine: str = "jax"
+  view: str = "clean"
+  batch_size: int = 64
+  vllm: VllmConfig = VllmConfig()
+  max_new_tokens: int = 6
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_len: int = 32
+  async_depth: int = 0
+  async_mode: str = "exact"
+  devices: str = ""
+
+  @property
+  def sampling(self) -> SamplingParams:
+    return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                          top_k=self.top_k)
+
+  def check(self):
+    check_choice("rollout.engine", self.engine, ENGINES)
+    check_views("rollout.view", self.view, sep="\0")
+    check_positive("rollout.batch_size", self.batch_size)
+    try:
+      _ = self.sampling
+    except UserError as e:
+      raise UserError(f"rollout.{e}") from None
+    if self.max_len <= self.max_new_tokens:
+      raise UserError(f"rollout.max_len={self.max_len} must exceed rollout.max_new_tokens={self.max_new_tokens}"
+                      " (the prompt needs room).")
+    if self.engine == "vllm":
+      from opdjax.views.view import EngineView
+
+      v = EngineView.parse(self.view)
+      bad = [k for k in ("compute_dtype", "kv_quant", "act_quant") if getattr(v, k) != getattr(EngineView(), k)]
+      if bad:
+        raise UserError(f"rollout.view={self.view} sets {', '.join(bad)} with rollout.engine='vllm': vLLM's own"
+                        " precision is set by rollout.vllm.dtype / kv_cache_dtype / quantization; the view may only"
+                        " change weights, noise and lag.")
+    self.vllm.check()
+    self._check_async()
+
+  def _check_async(self):
+    from opdjax.views.view import EngineView
+
+    if self.async_depth < 0:
+      raise UserError(f"rollout.async_depth={self.async_depth}: must be >= 0 (0 samples synchronously, k > 0 lets"
+                      " the producer run k params versions ahead).")
+    check_choice("rollout.async_mode", self.async_mode, ASYNC_MODES)
+    lag = EngineView.parse(self.view).lag
+    if lag and self.async_depth:
+      raise UserError(f"rollout.view={self.view} has lag={lag} and rollout.async_depth={self.async_depth}: give the"
+                      f" staleness once (rollout.async_depth={lag} with async_mode='exact' equals lag={lag}).")
+    if self.devices:
+      if not self.async_depth:
+        raise UserError(f"rollout.devices={self.devices!r} places the asynchronous producer; set"
+                        " rollout.async_depth > 0, or leave rollout.devices empty.")
+      if self.engine != "jax":
+        raise UserError(f"rollout.devices={self.devices!r}: only the JAX engine samples on this process's devices;"
+                        " leave it empty with rollout.engine='vllm'.")
+      if not all(x.strip().isdigit() for x in self.devices.split(",")):
+        raise UserError(f"rollout.devices={self.devices!r}: give a device index (e.g. '1'), as in jax.local_devices().")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Checkpoints (Orbax) go to OUT/checkpoints every `checkpoint_every` steps and at the end; the same
+  --out resumes from the latest. on_nonfinite: halt (keep the last good checkpoint) or skip.
+  tensorboard: also write TensorBoard event files under OUT/tensorboard/.
+  budget: a budget.json of `opdjax calibrate`; `guard` compares the mean of the last `guard_window`
+  steps' mismatch with it: warn, backoff (lower rollout.async_depth, then switch to `guard_view`)
+  or halt (opdjax.pipeline.guard)."""
+
+  steps: int = 800
+  eval_every: int = 1
+  checkpoint_every: int = 200
+  keep_checkpoints: int = 3
+  best_metric: str = "reverse_kl"
+  on_nonfinite: str = "halt"
+  tensorboard: bool = False
+  budget: str = ""
+  guard: str = "warn"
+  guard_view: str = ""
+  guard_window: int = 5
+
+  def check(self):
+    check_positive("train.steps", self.steps)
+    check_positive("train.eval_every", self.eval_every)
+    check_positive("train.checkpoint_every", self.checkpoint_every, 0)
+    check_positive("train.keep_checkpoints", self.keep_checkpoints)
+    check_choice("train.best_metric", self.best_metric, BEST_METRICS)
+    check_choice("train.on_nonfinite", self.on_nonfinite, NONFINITE)
+    check_choice("train.guard", self.guard, GUARDS)
+    check_positive("train.guard_window", self.guard_window)
+    if self.budget and not os.path.isfile(self.budget):
+      raise UserError(f"train.budget={self.budget!r} does not exist; write one with `opdjax calibrate --out DIR`"
+                      " (DIR/budget.json), or leave train.budget empty.")
+    if self.guard != "warn" and not self.budget:
+      raise UserError(f"train.guard={self.guard!r} needs train.budget=PATH (a budget.json of `opdjax calibrate`).")
+    if self.guard_view:
+      if self.guard != "backoff":
+        raise UserError(f"train.guard_view={self.guard_view!r} is the view train.guard='backoff' switches to; set"
+                        " train.guard=backoff, or leave train.guard_view empty.")
+      check_views("train.guard_view", self.guard_view, sep="\0")
+      from opdjax.views.view import EngineView
+
+      if EngineView.parse(self.guard_view).lag:
+        raise UserError(f"train.guard_view={self.guard_view!r} has a lag: a backoff lowers staleness through"
+                        " rollout.async_depth; give the guard a view without lag (e.g. 'clean').")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh of the trainer and the JAX engine (opdjax.parallel): `data` x `fsdp` x `tensor`
+  devices, -1 = the rest of the devices (at most one axis). Batch rows go over (data, fsdp); params,
+  optimizer state and the teacher are sharded over fsdp, attention heads and the MLP hidden over
+  tensor. All 1: one device, nothing sharded. Whether the sizes divide the devices, heads and batch
+  is checked where the devices are known (opdjax.parallel.mesh)."""
+
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+
+  def check(self):
+    sizes = {"mesh.data": self.data, "mesh.fsdp": self.fsdp, "mesh.tensor": self.tensor}
+    for k, v in sizes.items():
+      if v == 0 or v < -1:
+        raise UserError(f"{k}={v}: give a positive axis size, or -1 for the rest of the devices.")
+    rest = [k for k, v in sizes.items() if v == -1]
+    if len(rest) > 1:
+      raise UserError(f"{' and '.join(rest)} are both -1: at most one mesh axis takes the rest of the devices.")
