@@ -168,6 +168,22 @@ def kv_table(r: dict) -> str:
   return "\n".join(["```", *map(fmt, [list(cols), *rows]), "```"])
 
 
+def recorded_table(view: str, columns: tuple[str, ...] = ()) -> Callable[[dict], str]:
+  """A table kept as recorded (cells as written then): {"columns": [...], "rows": [[...], ...]};
+  `columns` renders a subset of them (another page's view of the same runs)."""
+  def render(r: dict) -> str:
+    t = r["result"][view]
+    keep = [t["columns"].index(c) for c in columns] if columns else range(len(t["columns"]))
+    line = lambda cells: "| " + " | ".join(cells[i] for i in keep) + " |"
+    return "\n".join([line(t["columns"]), "|" + "|".join(" --- " for _ in keep) + "|", *map(line, t["rows"])])
+  return render
+
+
+def _recorded(command: str, *views: str) -> Figure:
+  """A figure not re-measured since its numbers were written: --refresh refuses, --check still compares."""
+  return Figure((command,), None, {v: recorded_table(v) for v in views})
+
+
 def _jsonl(name: str) -> Callable[[str], dict]:
   return lambda run: {"records": [json.loads(line) for line in open(os.path.join(run, name)) if line.strip()]}
 
@@ -245,6 +261,26 @@ FIGURES: dict[str, Figure] = {
                                "processes": value("processes_params_abs", "{:.2g}")}),
     "scaling": Figure(("python scripts/plan_table.py --out {out}/scaling_results.jsonl",),
                       _jsonl("scaling_results.jsonl"), {"tables": scaling_tables}, env={"PYTHONPATH": "."}),
+    "sensitivity_demo": _recorded("opdjax sensitivity --out DIR", "ranking"),
+    "sensitivity_smollm2": _recorded("opdjax sensitivity --config configs/smollm2_sensitivity.py --out DIR",
+                                     "ranking", "recipe", "spearman"),
+    "admission_calibrate": _recorded("opdjax calibrate --out DIR", "table"),
+    "admission_admit": _recorded("opdjax admit --budget DIR/budget.json --candidates candidates.txt --out DIR2",
+                                 "table"),
+    "admission_validate": _recorded("python scripts/validate_admission.py --out DIR", "table"),
+    "opd_grpo": _recorded("python scripts/compare_opd_grpo.py --out DIR", "table", "tis"),
+    "time_to_quality": Figure(("python scripts/time_to_quality.py --out DIR",), None, {
+        "runs": recorded_table("runs"), "speedups": recorded_table("speedups"),
+        "bench": recorded_table("runs", ("configuration", "reached acc 0.95", "s for 800 steps",
+                                         "process CPU s / wall s"))}),
+    "bench_opd_step": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE", "table"),
+    "bench_rollout": _recorded("PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE", "table"),
+    "bench_rollout_vllm": _recorded("PYTHONPATH=. python bench/rollout_vllm.py --out FILE", "table"),
+    "bench_compile": _recorded("PYTHONPATH=. python bench/compile.py", "table"),
+    "bench_decode_fill": _recorded("PYTHONPATH=. python bench/decode_fill.py", "table"),
+    "bench_cpu_paths": Figure(("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE",
+                               "PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE"), None,
+                              {"table": recorded_table("table")}),
     "kv_smollm2": _kv("fetch:smollm2-135m", 72, "0"),
     "kv_qwen3_1p7b": _kv("qwen3-1.7b", 72, "27"),
     "kv_qwen3_1p7b_block": _kv("qwen3-1.7b", 72, "27", "--recipe fp8_block --keep-edge-layers 1"),
