@@ -31,14 +31,16 @@ def _metrics(path: str) -> list[dict]:
 
 
 def collect_run(out: str) -> dict:
+  """Step 0 against the last held-out evaluation (a record without `reverse_kl` measured none)."""
   recs = _metrics(out)
   first, last = recs[0], recs[-1]
+  evaluated = [r for r in recs if "reverse_kl" in r]
   keep = ("reverse_kl", "accuracy")
   worst = {k: max(r[k] for r in recs if k in r) for k in ("mismatch_kl_k3_tok", "mismatch_abs_r_max")
            if any(k in r for r in recs)}
   loop_s = last.get("elapsed_s")
-  return {"steps": last["step"], "first": {k: first[k] for k in keep if k in first},
-          "last": {k: last[k] for k in keep if k in last}, "loop_s": loop_s,
+  return {"steps": evaluated[-1]["step"], "first": {k: first[k] for k in keep if k in first},
+          "last": {k: evaluated[-1][k] for k in keep if k in evaluated[-1]}, "loop_s": loop_s,
           "s_per_step": loop_s / max(last["step"], 1) if loop_s else None, **({"max": worst} if worst else {})}
 
 
@@ -261,6 +263,12 @@ FIGURES: dict[str, Figure] = {
                                "processes": value("processes_params_abs", "{:.2g}")}),
     "scaling": Figure(("python scripts/plan_table.py --out {out}/scaling_results.jsonl",),
                       _jsonl("scaling_results.jsonl"), {"tables": scaling_tables}, env={"PYTHONPATH": "."}),
+    "objectives_demo": Figure(("opdjax train --config configs/demo.py --out DIR --config.train.steps=400"
+                               " --config.loss.kind=full_rkl|sampled_rkl [--config.optim.learning_rate=1e-3]",), None,
+                              {k: value(k) for k in ("full_rkl", "sampled_rkl_5e-3", "sampled_rkl_1e-3")}),
+    "scoring_temperature": Figure(("pytest -s tests/test_train.py",), None,
+                                  {k: value(k) for k in ("k3_t1", "is_mean_t1", "k3_topk", "is_mean_topk",
+                                                         "k3_matched")}),
     "sensitivity_demo": _recorded("opdjax sensitivity --out DIR", "ranking"),
     "sensitivity_smollm2": _recorded("opdjax sensitivity --config configs/smollm2_sensitivity.py --out DIR",
                                      "ranking", "recipe", "spearman"),
