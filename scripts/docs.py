@@ -83,10 +83,11 @@ def load_text(start: float) -> str:
 
 def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
   fig = FIGURES[name]
-  if fig.collect is None and not from_dir:
+  if fig.collect is None:
     raise DocsError(f"{name}'s numbers are read off `{' && '.join(fig.commands)}` by hand: rerun it and edit"
                     f" docs/results/{name}.json (result, measured, commit, machine, date), then --render")
   load0, t0 = os.getloadavg()[0], time.time()
+  commit, dirty = _git(root, "rev-parse", "--short", "HEAD"), _git(root, "status", "--porcelain", "--untracked-files=no")
   run = from_dir or os.path.join(tempfile.mkdtemp(prefix=f"docs-{name}-"), "run")
   if not from_dir:  # {out} is an empty folder; command i's stdout goes next to it (stdout{i}.txt)
     os.makedirs(run)
@@ -100,9 +101,7 @@ def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
         f.write(proc.stdout)
       if proc.returncode:
         raise DocsError(f"`{line}` exited {proc.returncode} (its output: {log})")
-  dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
-  r = {"command": [c.replace("{out}", "DIR") for c in fig.commands],
-       "commit": _git(root, "rev-parse", "--short", "HEAD"),
+  r = {"command": [c.replace("{out}", "DIR") for c in fig.commands], "commit": commit,
        "worktree": f"{len(dirty.splitlines())} tracked files modified" if dirty else "clean",
        "machine": machine(), "date": datetime.date.today().isoformat(), "measured": "fresh run",
        "load": load_text(load0) if not from_dir else "load not recorded (read from an existing run folder)",
