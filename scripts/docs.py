@@ -87,7 +87,8 @@ def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
     raise DocsError(f"{name}'s numbers are read off `{' && '.join(fig.commands)}` by hand: rerun it and edit"
                     f" docs/results/{name}.json (result, measured, commit, machine, date), then --render")
   load0, t0 = os.getloadavg()[0], time.time()
-  commit, dirty = _git(root, "rev-parse", "--short", "HEAD"), _git(root, "status", "--porcelain", "--untracked-files=no")
+  commit = _git(root, "rev-parse", "--short", "HEAD")  # what the command ran, read before it runs
+  dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
   run = from_dir or os.path.join(tempfile.mkdtemp(prefix=f"docs-{name}-"), "run")
   if not from_dir:  # {out} is an empty folder; command i's stdout goes next to it (stdout{i}.txt)
     os.makedirs(run)
