@@ -226,3 +226,35 @@ def test_full_disk_fails_loudly_and_keeps_earlier_checkpoints(demo_cache, tmp_pa
   finally:
     if subprocess.run(["umount", str(disk)]).returncode:
       subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+@pytest.mark.slow
+def test_best_and_latest_share_the_storage_of_a_step_they_both_hold(demo_cache, tmp_path):
+  import orbax.checkpoint as ocp
+
+  out = tmp_path / "run"  # latest keeps every step, so it holds best's
+  assert cli.main(["train", "--out", str(out), "--config", "configs/demo.py", "--config.train.steps=2",
+                   "--config.train.checkpoint_every=1", "--config.train.keep_checkpoints=3"]) == 0
+  root = out / "checkpoints"
+  best = sorted(int(d) for d in os.listdir(root / "best") if d.isdigit())
+  latest = sorted(int(d) for d in os.listdir(root / "latest") if d.isdigit())
+  both = set(best) & set(latest)
+  assert len(best) == 1 and both, (best, latest)
+  assert json.loads((root / "best" / "BEST.json").read_text())["step"] == best[0]
+  step = max(both)
+
+  def big_files(d):
+    return {os.stat(os.path.join(r, f)).st_ino: os.path.getsize(os.path.join(r, f))
+            for r, _, fs in os.walk(d) for f in fs if os.path.getsize(os.path.join(r, f)) >= 1 << 16}
+
+  ours, theirs = big_files(root / "best" / str(step)), big_files(root / "latest" / str(step))
+  assert ours and set(ours) <= set(theirs)  # every data file of best is a hard link to latest's
+  assert all(os.stat(os.path.join(r, f)).st_nlink >= 2 for r, _, fs in os.walk(root / "best" / str(step))
+             for f in fs if os.path.getsize(os.path.join(r, f)) >= 1 << 16)
+  # ... and it restores, to the same arrays as latest's copy.
+  with ocp.StandardCheckpointer() as ck:
+    a = ck.restore(root / "best" / str(step) / "state")
+    b = ck.restore(root / "latest" / str(step) / "state")
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(leaves_a) == len(leaves_b) > 0
+  assert all(np.array_equal(x, y) for x, y in zip(leaves_a, leaves_b))

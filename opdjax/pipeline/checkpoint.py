@@ -7,7 +7,7 @@ settings, the latest held-out evaluation, package versions). Everything random i
 derived from (seed, step), so no RNG state needs saving.
 
 Saves are asynchronous (Orbax `CheckpointManager`); the last `keep` are kept, plus the best by
-`best_metric` in a second manager. Orbax writes each step to a temporary folder and renames it
+`best_metric` under checkpoints/best (hard links to latest's files of that step: stored once). Orbax writes each step to a temporary folder and renames it
 only when complete, so a crash during a save leaves no checkpoint that restores; `latest_step`
 reports the newest complete one.
 """
@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -50,19 +52,13 @@ class CheckpointWriteError(OSError):
 class RunCheckpointer:
   def __init__(self, directory: str, keep: int = 3, best_metric: str = "", best_mode: str = "min"):
     self.directory = os.path.abspath(directory)
-    # Each manager's own barrier names: in a multi-process run both save the same step, and Orbax's
-    # barriers are named by step alone.
     opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True,
                                         multiprocessing_options=_barriers("latest"))
     self._latest = ocp.CheckpointManager(os.path.join(self.directory, "latest"), options=opts)
-    self._best = None
-    if best_metric:
-      best_opts = ocp.CheckpointManagerOptions(
-          max_to_keep=1, best_fn=lambda m: m[best_metric], best_mode=best_mode,
-          keep_checkpoints_without_metrics=False, enable_async_checkpointing=True, create=True,
-          multiprocessing_options=_barriers("best"))
-      self._best = ocp.CheckpointManager(os.path.join(self.directory, "best"), options=best_opts)
-    self.best_metric = best_metric
+    self.best_metric, self.best_mode = best_metric, best_mode
+    self._best_dir = os.path.join(self.directory, "best")
+    self._best = _read_json(os.path.join(self._best_dir, BEST_FILE)) if best_metric else None
+    self._pending_best: tuple[int, float] | None = None
 
   def latest_step(self) -> int | None:
     return self._latest.latest_step()
@@ -78,13 +74,41 @@ class RunCheckpointer:
     return sorted(os.path.join(root, d) for d in os.listdir(root) if ".orbax-checkpoint-tmp" in d)
 
   def save(self, step: int, state_tree, meta: dict, metrics: dict | None = None) -> None:
+    with self._writing("in flight"):  # Orbax would wait for the previous save here anyway
+      self._latest.wait_until_finished()
+    self._publish_best()
     # Copy first: the next train step donates the live buffers while the save may still run.
     state_tree = jax.tree.map(jnp.copy, state_tree)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state_tree), meta=ocp.args.JsonSave(meta))
     with self._writing(step):
       self._latest.save(step, args=args)
-      if self._best is not None and metrics and self.best_metric in metrics:
-        self._best.save(step, args=args, metrics={self.best_metric: float(metrics[self.best_metric])})
+    if self.best_metric and metrics and self.best_metric in metrics:
+      value = float(metrics[self.best_metric])
+      best = self._pending_best or ((self._best["step"], self._best["value"]) if self._best else None)
+      if best is None or (value < best[1] if self.best_mode == "min" else value > best[1]):
+        self._pending_best = (step, value)
+
+  def _publish_best(self) -> None:
+    """Makes the pending best step (its save finished) the one under checkpoints/best: a tree of hard
+    links to latest's files, so a step both hold is stored once, and best keeps it when latest rotates
+    it out. The folder is an Orbax checkpoint directory (best/STEP) with BEST_FILE beside it."""
+    if self._pending_best is None:
+      return
+    step, value = self._pending_best
+    self._pending_best = None
+    src = os.path.join(self.directory, "latest", str(step))
+    if jax.process_index() != 0 or not os.path.isdir(src):
+      return
+    tmp, old = f"{self._best_dir}.tmp", f"{self._best_dir}.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, os.path.join(tmp, str(step)), copy_function=_link_or_copy)
+    self._best = {"metric": self.best_metric, "mode": self.best_mode, "step": step, "value": value}
+    with open(os.path.join(tmp, BEST_FILE), "w") as f:
+      json.dump(self._best, f)
+    if os.path.isdir(self._best_dir):
+      os.replace(self._best_dir, old)
+    os.replace(tmp, self._best_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
   @contextlib.contextmanager
   def _writing(self, step):
@@ -134,17 +158,30 @@ class RunCheckpointer:
   def wait(self) -> None:
     with self._writing("in flight"):
       self._latest.wait_until_finished()
-      if self._best is not None:
-        self._best.wait_until_finished()
+    self._publish_best()
 
   def close(self) -> None:
     with self._writing("in flight"):
-      self._close()
+      self._latest.close()
+    self._publish_best()
 
-  def _close(self) -> None:
-    self._latest.close()
-    if self._best is not None:
-      self._best.close()
+
+BEST_FILE = "BEST.json"  # {"metric", "mode", "step", "value"} of the step under checkpoints/best
+
+
+def _read_json(path: str) -> dict | None:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError):
+    return None
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+  try:
+    os.link(src, dst)
+  except OSError:  # a filesystem without hard links: a copy
+    shutil.copy2(src, dst)
 
 
 @contextlib.contextmanager
