@@ -31,7 +31,7 @@ from opdjax.views.view import EngineView
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config", "configs/demo.py", "--config.task.num_eval=16", "--config.rollout.batch_size=16"]
-TIMING = ("time_", "idle_", "wall_s", "elapsed_s", "async_depth", "params_lag_max")
+TIMING = ("time_", "idle_", "overlap_", "busy_", "wall_s", "elapsed_s", "async_depth", "params_lag_max")
 
 
 def _metrics(rec: dict) -> dict:

@@ -19,6 +19,7 @@ import numpy as np
 
 from opdjax.errors import Interrupted
 from opdjax.pipeline.async_sampler import AsyncSampler
+from opdjax.pipeline.overlap import fields as overlap_fields
 from opdjax.pipeline.session import Session
 from opdjax.pipeline.stages import Sample, Sampler, objective
 from opdjax.training.step import TrainState
@@ -131,6 +132,7 @@ class Timing:
                 "idle_producer_frac": round(producer_wait / max(producer_wait + sampling, 1e-9), 4)})
     if self.versions is not None:  # over the step's sequences (one version a rollout with both engines)
       out["params_lag_max"] = int(self.step - np.min(self.versions))
+    out.update(overlap_fields(out))  # overlap efficiency and busy fractions (opdjax.pipeline.overlap)
     return out
 
 
