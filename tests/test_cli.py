@@ -68,7 +68,7 @@ def test_required_config_and_strange_flags_exit_2(capsys):
   assert err.startswith("opdjax: error: unrecognised argument '--steps=3'") and len(err.splitlines()) == 1
 
 
-def test_split_overrides_forms_and_errors():
+def test_override_flags_forms_and_errors():
   assert split_overrides(["--config.train.steps=3", "--config.rollout.view", "lag=1,weights=fp8"]) == {
       "train.steps": "3", "rollout.view": "lag=1,weights=fp8"}
   with pytest.raises(ConfigError, match="needs a value: --config.seed=VALUE"):
