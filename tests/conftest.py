@@ -2,6 +2,7 @@
 
 import os
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,18 +77,30 @@ def _has_gpu() -> bool:
     return False
 
 
+def pytest_configure(config):
+  config.addinivalue_line("markers", "requires_vllm: needs the vllm package (every `vllm` test does too): skipped"
+                          " when it is not installed, a failure when OPDJAX_REQUIRE_VLLM=1")
+
+
 def pytest_collection_modifyitems(config, items):
   """Tests that start vLLM (35-45 s a server on 2 cores) belong to the full suite, not the fast tier
   (`-m "not slow"`); tests marked `gpu` are skipped, with the reason shown, when JAX sees no GPU."""
   for item in items:
     if "vllm" in item.keywords:
       item.add_marker(pytest.mark.slow)
+      item.add_marker(pytest.mark.requires_vllm)
   if _has_gpu():
     return
   skip = pytest.mark.skip(reason="needs a GPU (JAX sees none)")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+  """Before any fixture of the test is set up: no vLLM server starts only to find vllm missing."""
+  if item.get_closest_marker("requires_vllm"):
+    helpers.require_vllm()
 
 
 @pytest.fixture(scope="module")

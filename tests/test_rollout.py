@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 import scipy.stats
+from helpers import log_softmax, top_p_keep
 
 from opdjax.models import Model, ModelConfig
 from opdjax.rollout import JaxEngine, PromptTooLongError, SamplingParams
@@ -51,20 +52,6 @@ def next_token_logits(logits_fn, params, r):
   batch = batch_from_rollout(r)
   logits, _ = logits_fn(params, batch["tokens"], batch["positions"], batch["attention_mask"])
   return np.asarray(logits, np.float64)[:, r.prompt_tokens.shape[1] - 1:]
-
-
-def log_softmax(z):
-  m = np.max(z, -1, keepdims=True)
-  return z - m - np.log(np.sum(np.exp(z - m), -1, keepdims=True))
-
-
-def top_p_keep(z, top_p):
-  """Mask of the smallest most-probable prefix of softmax(z) whose mass reaches top_p."""
-  order = np.argsort(-z, -1)
-  probs = np.exp(log_softmax(np.take_along_axis(z, order, -1)))
-  keep = np.zeros(z.shape, bool)
-  np.put_along_axis(keep, order, (np.cumsum(probs, -1) - probs) < top_p, -1)
-  return keep
 
 
 @pytest.mark.slow

