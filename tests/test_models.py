@@ -3,11 +3,13 @@
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import log_softmax
 from safetensors import safe_open
 
 from opdjax.models import Model, ModelConfig, UnsupportedModelError, load_hf_params, save_hf_params
@@ -85,11 +87,6 @@ def jax_logits(cfg, params, tokens, mask, positions):
   logits, _ = _jit_apply(cfg)(params, tokens, positions, mask)
   assert logits.dtype == jnp.float32
   return np.asarray(logits)
-
-
-def log_softmax(z):
-  z = z - z.max(-1, keepdims=True)
-  return z - np.log(np.sum(np.exp(z), -1, keepdims=True))
 
 
 def divergence(a, b, mask):
@@ -249,27 +246,40 @@ def test_bf16_checkpoint_loads_as_float32(make_hf_model, tmp_path):
   np.testing.assert_array_equal(np.asarray(params["layers"]["self_attn"]["q_proj"]["kernel"][0]), want)
 
 
-FAMILY_SWITCH_MISMATCHES = {
-    "qwen3-without-qk-norm": dict(model_type="qwen3"),
-    "qwen2-without-qkv-bias": dict(model_type="qwen2"),
-    "llama-qkv-bias-without-o-bias": dict(model_type="llama", attention_bias=True),
-    "qwen3-qk-norm-off": dict(model_type="qwen3", qk_norm=False),
-    "qwen2-o-bias": dict(model_type="qwen2", o_proj_bias=True),
-    "llama-o-bias-only": dict(model_type="llama", attention_bias=False, o_proj_bias=True),
+FAMILY_DIMS = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                   head_dim=8)
+# Switches left out take the family's own (what its transformers class builds), so the config saves
+# and loads back: (given, switches it ends up with).
+FAMILY_DEFAULTS = {
+    "qwen3-without-qk-norm": (dict(model_type="qwen3"), dict(attention_bias=False, o_proj_bias=False, qk_norm=True)),
+    "qwen2-without-qkv-bias": (dict(model_type="qwen2"), dict(attention_bias=True, o_proj_bias=False, qk_norm=False)),
+    "llama-qkv-bias-without-o-bias": (dict(model_type="llama", attention_bias=True),
+                                      dict(attention_bias=True, o_proj_bias=True, qk_norm=False)),
+}
+# Switches the family cannot express: refused where the config is built, with the switches it can.
+FAMILY_MISMATCHES = {
+    "qwen3-qk-norm-off": (dict(model_type="qwen3", qk_norm=False), "(False, False, True)"),
+    "qwen2-o-bias": (dict(model_type="qwen2", o_proj_bias=True), "(True, False, False)"),
+    "llama-o-bias-only": (dict(model_type="llama", attention_bias=False, o_proj_bias=True), "(False, False, False)"),
 }
 
 
-@pytest.mark.parametrize("name", list(FAMILY_SWITCH_MISMATCHES))
-def test_config_a_family_cannot_express_is_never_saved(name, tmp_path, random_params):
-  """Either the config is rejected where it is built or saved, or it survives the round trip."""
-  dims = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
-              num_kv_heads=2, head_dim=8)
-  try:
-    cfg = ModelConfig(**dims, **FAMILY_SWITCH_MISMATCHES[name])
-    save_hf_params(random_params(Model(cfg), seed=0), cfg, str(tmp_path / "out"))
-  except ValueError:
-    return
+@pytest.mark.parametrize("name", list(FAMILY_DEFAULTS))
+def test_switches_left_out_take_the_familys_and_survive_the_round_trip(name, tmp_path, random_params):
+  given, switches = FAMILY_DEFAULTS[name]
+  cfg = ModelConfig(**FAMILY_DIMS, **given)
+  assert {k: getattr(cfg, k) for k in switches} == switches
+  save_hf_params(random_params(Model(cfg), seed=0), cfg, str(tmp_path / "out"))
   assert ModelConfig.from_pretrained(tmp_path / "out") == cfg
+
+
+@pytest.mark.parametrize("name", list(FAMILY_MISMATCHES))
+def test_config_a_family_cannot_express_is_refused_where_it_is_built(name):
+  given, allowed = FAMILY_MISMATCHES[name]
+  family = given["model_type"]
+  with pytest.raises(UnsupportedModelError, match=re.escape(f"{family} cannot express ") + ".*"
+                     + re.escape(f"For {family} use attention_bias/o_proj_bias/qk_norm = {allowed}")):
+    ModelConfig(**FAMILY_DIMS, **given)
 
 
 # --- scanned layers -----------------------------------------------------------------------------
