@@ -1,5 +1,6 @@
-"""The one OPD pipeline: typed config, --out safety, config changes on resume, TensorBoard events,
-the seed rule, and the sweeps running the loop `opdjax train` runs."""
+"""The one OPD pipeline: typed config (every configs/*.py built, overrides checked), --out safety,
+config changes on resume, TensorBoard events, the seed rule, and the sweeps running the loop
+`opdjax train` runs."""
 
 import glob
 import json
@@ -13,6 +14,8 @@ from opdjax.config.defaults import default_config
 from opdjax.config.loader import ConfigError, apply_overrides, load_config_file
 from opdjax.config.schema import Config, build, flat
 from opdjax.pipeline.session import Session
+from opdjax.training.loss import LossConfig
+from opdjax.training.step import OptimConfig
 from opdjax.views.view import EngineView
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,8 +33,15 @@ def _records(out):
 
 # --- typed config ------------------------------------------------------------------------------
 
+def test_the_shipped_configs_are_found():
+  assert len(CONFIGS) >= 2 and os.path.join(ROOT, "configs", "demo.py") in CONFIGS
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_every_shipped_config_builds_completely(path, tmp_path):
+  loaded = load_config_file(path)
+  with pytest.raises(AttributeError):
+    loaded.train.stepz = 3  # locked: a typo in a config file is an error, not a new key
   overrides = {}
   if "qwen3" in path:  # paths come from the command line; give real folders and files
     for role in ("teacher", "student"):
@@ -39,10 +49,43 @@ def test_every_shipped_config_builds_completely(path, tmp_path):
       overrides[f"{role}.path"] = str(tmp_path / role)
     (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
     overrides["task.path"] = str(tmp_path / "p.jsonl")
-  cfg = build(apply_overrides(load_config_file(path), overrides))
+  cfg = build(apply_overrides(loaded, overrides))
   assert isinstance(cfg, Config)
   assert set(flat(cfg.to_dict())) == set(flat(Config().to_dict()))  # every key, typed
   assert build(cfg.to_dict()) == cfg  # what config.json records rebuilds the same config
+  assert isinstance(cfg.loss, LossConfig) and isinstance(cfg.optim, OptimConfig)
+  assert cfg.train.steps > 0 and cfg.rollout.max_len >= cfg.rollout.max_new_tokens
+
+
+def test_override_sets_typed_values():
+  cfg = load_config_file(CONFIGS[0])
+  out = apply_overrides(cfg, {"train.steps": "7", "optim.learning_rate": "1", "loss.kind": "jsd"})
+  assert out.train.steps == 7
+  assert isinstance(out.optim.learning_rate, float) and out.optim.learning_rate == 1.0
+  assert out.loss.kind == "jsd"
+  assert cfg.train.steps != 7  # the original is untouched
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("train.stepz", "3", "train has no 'stepz'"),
+    ("nope.x", "3", "<root> has no 'nope'"),
+    ("train.steps", "abc", "cannot parse"),
+    ("train.steps", "1.5", "expected int"),
+])
+def test_bad_override_is_one_clear_error(key, value, match):
+  with pytest.raises(ConfigError, match=match):
+    apply_overrides(load_config_file(CONFIGS[0]), {key: value})
+
+
+def test_bad_loss_value_is_rejected_by_the_section_itself():
+  cfg = apply_overrides(load_config_file(CONFIGS[0]), {"loss.kind": "kl_typo"})
+  with pytest.raises(ValueError, match="choose one of"):
+    LossConfig(**cfg.loss)
+
+
+def test_missing_config_file():
+  with pytest.raises(ConfigError, match="not found"):
+    load_config_file("configs/does_not_exist.py")
 
 
 @pytest.mark.parametrize("key,value,match", [
