@@ -131,6 +131,7 @@ class VllmConfig:
   urls: str = ""
   num_servers: int = 1
   gpus: str = ""
+  cpus: str = ""  # rollout.placement=disaggregated: the server's own cores on CPU (opdjax.rollout.cpus)
   dtype: str = "float32"
   quantization: str = ""
   kv_cache_dtype: str = ""
@@ -191,6 +192,7 @@ class RolloutConfig:
   async_depth: int = 0
   async_mode: str = "exact"
   devices: str = ""
+  placement: str = "colocated"  # or disaggregated: the engine on cores of its own (opdjax.rollout.cpus)
 
   @property
   def sampling(self) -> SamplingParams:
@@ -218,6 +220,9 @@ class RolloutConfig:
                         " precision is set by rollout.vllm.dtype / kv_cache_dtype / quantization; the view may only"
                         " change weights, noise and lag.")
     self.vllm.check()
+    from opdjax.rollout.cpus import check_config  # placement and the server's cores
+
+    check_config(self)
     self._check_async()
 
   def _check_async(self):

@@ -20,6 +20,8 @@ from opdjax.models.config import ModelConfig
 from opdjax.models.decoder import Model
 from opdjax.models.hf_io import save_hf_params
 from opdjax.rollout.base import RolloutEngine
+from opdjax.rollout.cpus import check as check_cores
+from opdjax.rollout.cpus import server_class, server_config
 from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.rollout.primary import PrimaryEngine
 from opdjax.rollout.vllm import recipe
@@ -47,6 +49,7 @@ def check_engine(rcfg) -> None:
   """The engine's start-up checks that need no output folder, so that a run refused for them has
   written nothing: the form of every attached vLLM URL, and that each answers as opdjax needs
   (`VllmClient.info`: reachable, key or sidecar token accepted, dev mode, processed log-probs)."""
+  check_cores(rcfg)  # rollout.placement=disaggregated: cores for both sides
   if rcfg.engine != "vllm":
     return
   for url in attached_urls(rcfg.vllm):
@@ -76,6 +79,8 @@ def make_engine(rcfg, student: Model, params, *, pad_id: int, eos_ids: Sequence[
   if out_dir is None:
     raise UserError("rollout.engine='vllm' needs an output folder for the server's log and weights.")
 
+  rcfg = server_config(rcfg)  # a disaggregated server's cores resolved (opdjax.rollout.cpus)
+
   def make(init_params):
     return make_vllm_engine(rcfg.vllm, student.cfg, init_params, max_len=rcfg.max_len, batch_size=rcfg.batch_size,
                             max_new_tokens=rcfg.max_new_tokens, pad_id=pad_id, eos_ids=eos_ids, out_dir=out_dir)
@@ -100,13 +105,14 @@ def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out
   if gpus:
     tp, i = vcfg.tensor_parallel_size, index or 0
     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * tp:(i + 1) * tp])
-  return VllmServer(
+  cls, pin = server_class(vcfg, index, env)  # disaggregated: its own cores (opdjax.rollout.cpus)
+  return cls(
       model_dir, host=host, port=port, dtype=vcfg.dtype, quantization=vcfg.quantization or None,
       kv_cache_dtype=vcfg.kv_cache_dtype or None, gpu_memory_utilization=vcfg.gpu_memory_utilization or None,
       tensor_parallel_size=vcfg.tensor_parallel_size, max_model_len=max_len,
       max_num_batched_tokens=max(batch_size * max_len, 2048), enforce_eager=vcfg.enforce_eager,
       api_key=vcfg.api_key or None, python=vcfg.python or None, extra_args=extra,
-      log_path=os.path.join(out_dir, f"vllm{tag}.log"), env=env)
+      log_path=os.path.join(out_dir, f"vllm{tag}.log"), env=env, **pin)
 
 
 def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: int, batch_size: int,

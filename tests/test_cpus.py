@@ -1,0 +1,118 @@
+"""rollout.placement and rollout.vllm.cpus (opdjax.rollout.cpus): CPU lists, the config's and the
+start-up errors, the default split, the server's environment, and a started server really pinned to
+its cores with the trainer's threads on the others (the fake server of test_vllm: no vLLM)."""
+
+import os
+import types
+
+import pytest
+import test_vllm
+
+from opdjax.config.schema import Config, build
+from opdjax.errors import UserError
+from opdjax.rollout import cpus
+from opdjax.rollout.factory import check_engine, make_vllm_server
+from opdjax.rollout.vllm.server import VllmServer
+
+fake_python = test_vllm.fake_python  # its fixture: a fake vLLM server
+
+
+def _cfg(placement="disaggregated", engine="vllm", **vllm):
+  d = Config().to_dict()
+  d["rollout"].update(engine=engine, placement=placement)
+  d["rollout"]["vllm"].update(vllm)
+  return build(d)
+
+
+def _vcfg(**changes):
+  fields = {f: getattr(Config().rollout.vllm, f) for f in Config().rollout.vllm.__dataclass_fields__}
+  return types.SimpleNamespace(**{**fields, **changes})
+
+
+def _threads_affinity(pid="self"):
+  return {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_cpu_lists_parse_and_format():
+  assert cpus.parse_cpus("0,2-3, 7") == [0, 2, 3, 7]
+  assert cpus.format_cpus([7, 0, 2, 3, 4]) == "0,2-4,7"
+  assert cpus.format_cpus(cpus.parse_cpus("1-3,5")) == "1-3,5"
+  for bad in ("a", "3-1", "1-", ",", "-2"):
+    with pytest.raises(UserError, match="CPU list"):
+      cpus.parse_cpus(bad)
+  assert cpus.omp_bind([2, 3, 4, 5], 2) == "2-3|4-5"
+
+
+def test_the_config_refuses_what_cannot_be_placed():
+  assert Config().rollout.placement == "colocated" and Config().rollout.vllm.cpus == ""
+  with pytest.raises(UserError, match="rollout.placement='elsewhere'; choose one of 'colocated', 'disaggregated'"):
+    _cfg("elsewhere")
+  with pytest.raises(UserError, match="set rollout.placement=disaggregated"):
+    _cfg("colocated", cpus="1")
+  with pytest.raises(UserError, match="taskset -c"):
+    _cfg(cpus="one")
+  with pytest.raises(UserError, match="attached server .* leave rollout.vllm.cpus empty"):
+    _cfg(cpus="1", url="http://127.0.0.1:8000")
+  with pytest.raises(UserError, match="rollout.engine='jax'.*not built yet"):
+    _cfg(engine="jax")
+  assert _cfg(cpus="1").rollout.vllm.cpus == "1"  # a valid one builds
+
+
+def test_start_up_errors_name_the_fix():
+  r = _cfg(cpus="5").rollout
+  with pytest.raises(UserError, match=r"core\(s\) 5 this process may not use.*may use 0-1"):
+    cpus.core_split(r, allowed=[0, 1])
+  with pytest.raises(UserError, match="overlaps the trainer's cores.*rollout.vllm.cpus='1'"):
+    cpus.core_split(_cfg(cpus="0-1").rollout, allowed=[0, 1])
+  with pytest.raises(UserError, match="at least 2 cores, this process may use 1 \\(0\\)"):
+    cpus.core_split(_cfg().rollout, allowed=[0])
+  with pytest.raises(UserError, match="do not split evenly into 2 server"):
+    cpus.core_split(_cfg(cpus="2-4", num_servers=2).rollout, allowed=list(range(8)))
+  if len(os.sched_getaffinity(0)) < 2:  # the factory's start-up check runs the same rules on this machine
+    with pytest.raises(UserError, match="at least 2 cores"):
+      check_engine(_cfg().rollout)
+  else:
+    with pytest.raises(UserError, match="may not use"):
+      check_engine(_cfg(cpus=str(os.cpu_count() + 3)).rollout)
+
+
+def test_the_default_split_gives_the_server_the_upper_half_in_whole_ranks():
+  assert cpus.core_split(_cfg().rollout, allowed=[0, 1]) == cpus.CoreSplit([1], [0])
+  assert cpus.core_split(_cfg().rollout, allowed=[0, 1, 2, 3, 4]) == cpus.CoreSplit([3, 4], [0, 1, 2])
+  assert cpus.core_split(_cfg(num_servers=2, tensor_parallel_size=2).rollout, allowed=list(range(6))).server == \
+      [2, 3, 4, 5]
+  assert cpus.core_split(_cfg(gpus="0").rollout, allowed=[0, 1]) is None  # disaggregated by its GPU
+  assert cpus.core_split(_cfg("colocated").rollout, allowed=[0, 1]) is None
+  if len(os.sched_getaffinity(0)) >= 2:  # what the factory's servers get on this machine
+    r = _cfg().rollout
+    assert cpus.server_config(r).vllm.cpus == cpus.format_cpus(cpus.core_split(r).server) != ""
+
+
+def test_each_server_gets_its_share_and_vllms_thread_binding(tmp_path):
+  v = _vcfg(cpus="2-5", num_servers=2, tensor_parallel_size=2)
+  assert cpus.server_cpus(v, 0) == [2, 3] and cpus.server_cpus(v, 1) == [4, 5]
+  server = make_vllm_server(v, "model", max_len=32, batch_size=4, out_dir=str(tmp_path), index=1)
+  assert isinstance(server, cpus.PinnedVllmServer) and server.cpus == [4, 5]
+  assert server.env[cpus.BIND_ENV] == "4|5"  # one list a tensor-parallel rank
+  assert not set(server.trainer_cpus) & set(range(2, 6))
+  plain = make_vllm_server(_vcfg(), "model", max_len=32, batch_size=4, out_dir=str(tmp_path))
+  assert type(plain) is VllmServer and cpus.BIND_ENV not in plain.env
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_a_started_server_runs_on_its_cores_and_the_trainer_on_the_others(fake_python, tmp_path):
+  python, _ = fake_python
+  allowed = sorted(os.sched_getaffinity(0))
+  own, rest = {allowed[-1]}, set(allowed[:-1])
+  before = _threads_affinity()
+  server = make_vllm_server(_vcfg(cpus=str(allowed[-1]), python=python), "model", max_len=32, batch_size=4,
+                            out_dir=str(tmp_path))
+  server.start()
+  try:
+    assert os.sched_getaffinity(server.pid) == own
+    environ = open(f"/proc/{server.pid}/environ", "rb").read().split(b"\0")
+    assert f"{cpus.BIND_ENV}={allowed[-1]}".encode() in environ
+    assert all(a == rest for a in _threads_affinity().values())  # every trainer thread, this one included
+  finally:
+    server.stop()
+  assert os.sched_getaffinity(0) == before[str(os.getpid())]  # given back after the server stopped
