@@ -33,7 +33,11 @@
 set -euo pipefail
 
 dry=0
-if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
+if [[ "${1:-}" == "--dry-run" ]]; then
+  dry=1; shift
+  echo "slurm_multinode.sh: dry run: prints the commands, starts nothing; files named for the cluster (task.path," \
+       "model folders, the output folder) are not checked here" >&2
+fi
 config=${1:?usage: slurm_multinode.sh [--dry-run] CONFIG OUT_DIR [--config.key=value ...]}
 out=${2:?usage: slurm_multinode.sh [--dry-run] CONFIG OUT_DIR [--config.key=value ...]}
 shift 2
@@ -107,8 +111,8 @@ for node in "${sidecar_nodes[@]}"; do
     devs=$(seq -s, $((first_vllm + s * tp)) $((first_vllm + (s + 1) * tp - 1)))
     port=$((vllm_port + s))
     # The flags come from opdjax (VllmServer.command), sized for this config's batch and max_len.
-    read -r -a sidecar < <(python -m opdjax.parallel.launch sidecar --config "$config" --model "$model" --port "$port" \
-                           --tp "$tp" --out "$out" "$@" ${VLLM_ARGS:+--config.rollout.vllm.extra_args="$VLLM_ARGS"})
+    read -r -a sidecar < <(opdjax launch sidecar --config "$config" --model "$model" --port "$port" \
+                             --tp "$tp" --out "$out" "$@" ${VLLM_ARGS:+--config.rollout.vllm.extra_args="$VLLM_ARGS"})
     (( ${#sidecar[@]} > 0 )) || die "could not build the sidecar command (see the error above)."
     cmd=(srun --overlap --nodes=1 --ntasks=1 -w "$node" env CUDA_VISIBLE_DEVICES="$devs" "${sidecar[@]}")
     if (( dry )); then run "${cmd[@]}"; else "${cmd[@]}" > "$out.vllm-$node-$port.log" 2>&1 & pids+=($!); fi

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from opdjax import commands as c
 from opdjax.config.resolve import split_overrides
-from opdjax.errors import UserError
+from opdjax.errors import Interrupted, UserError
 
 # How a command takes its config; the help of every command and of `opdjax` is written from this.
 CONFIG_MODES = {
@@ -141,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     args.parser_.error(f"unrecognized arguments: {' '.join(extra)}")
   try:
     return cmd.run(args, split_overrides(extra))
+  except Interrupted as e:  # Ctrl-C in a run: its hooks closed, its checkpoints are complete
+    print(f"opdjax: {e}", file=sys.stderr)
+    return 130
+  except KeyboardInterrupt:
+    print(f"opdjax: {cmd.name} interrupted", file=sys.stderr)
+    return 130
   except (UserError, FileExistsError, FileNotFoundError) as e:
     return _error(e)
   except OSError as e:  # e.g. a full disk: earlier checkpoints are complete and untouched

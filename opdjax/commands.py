@@ -231,11 +231,14 @@ def sidecar_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def sidecar(args, overrides) -> int:
+  """The files the config names (task.path, ...) are the cluster's: not checked here."""
   import shlex
 
-  from opdjax.parallel.launch import sidecar_command
+  from opdjax.config.resolve import paths_unchecked
+  from opdjax.rollout.factory import sidecar_command
 
-  cfg = resolved_config(args, overrides)
+  with paths_unchecked():
+    cfg = resolved_config(args, overrides)
   if cfg is not None:
     print(shlex.join(sidecar_command(cfg, args.model, args.port, args.tp, args.out)))
   return 0

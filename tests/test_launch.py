@@ -3,6 +3,7 @@
 import os
 import shlex
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,3 +76,22 @@ def test_local_split_between_trainer_and_sidecars():
              for i, c in enumerate(cmds))
   rc, _, err = dry("local_multigpu.sh", GPUS="4", VLLM_GPUS="4")
   assert rc == 2 and "leaves no GPU of 4 for the trainer" in err
+
+
+def test_readme_dry_run_example_runs_verbatim():
+  """The README's worked example, as a reader would paste it, runs and prints the job's commands."""
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  block = readme.split("<!-- tests/test_launch.py runs this block verbatim -->", 1)[1]
+  script = block.split("```bash\n", 1)[1].split("```", 1)[0]
+  env = {k: v for k, v in os.environ.items() if k != "OPDJAX_SIDECAR_TOKEN"}
+  env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # `opdjax` of this Python
+  p = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr
+  lines = p.stdout.strip().splitlines()
+  sidecars = [ln for ln in lines if "vllm.entrypoints.openai.api_server" in ln]
+  assert len(sidecars) == 8 and all("--model /models/Qwen3-1.7B" in ln for ln in sidecars)
+  # A GPU job: no CPU-only vLLM settings; every sidecar guarded by the job's token (never printed).
+  assert not any("VLLM_CPU_KVCACHE_SPACE" in ln or "--enforce-eager" in ln for ln in sidecars)
+  assert all("--middleware opdjax.rollout.vllm.auth.TokenAuthMiddleware" in ln for ln in sidecars)
+  assert "configs/qwen3_8b_to_1p7b.py" in lines[-1] and "--config.rollout.vllm.urls=http://node1:8100" in lines[-1]
+  assert "are not checked here" in p.stderr

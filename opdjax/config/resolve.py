@@ -6,9 +6,12 @@ theirs here, so an override means the same thing wherever it is given.
 
 from __future__ import annotations
 
+import contextlib
+
 from opdjax.config.defaults import default_config
 from opdjax.config.loader import ConfigError, apply_overrides, load_config_file
 from opdjax.config.schema import Config, build
+from opdjax.config.sections import CHECK_PATHS
 
 
 def split_overrides(extra: list[str]) -> dict[str, str]:
@@ -31,3 +34,14 @@ def resolve_config(path: str | None, overrides: dict[str, str]) -> Config:
   """`path`'s get_config() with `overrides` applied, built and validated. `path=None` means the demo's
   config (`default_config()`, what configs/demo.py returns): only for callers that document that default."""
   return build(apply_overrides(load_config_file(path) if path else default_config(), overrides))
+
+
+@contextlib.contextmanager
+def paths_unchecked():
+  """Configs built inside do not check that the files they name exist: for commands that print
+  what another machine will run (its paths are not this one's)."""
+  token = CHECK_PATHS.set(False)
+  try:
+    yield
+  finally:
+    CHECK_PATHS.reset(token)

@@ -7,9 +7,9 @@ settings, the latest held-out evaluation, package versions). Everything random i
 derived from (seed, step), so no RNG state needs saving.
 
 Saves are asynchronous (Orbax `CheckpointManager`); the last `keep` are kept, plus the best by
-`best_metric` under checkpoints/best (hard links to latest's files of that step: stored once). Orbax writes each step to a temporary folder and renames it
-only when complete, so a crash during a save leaves no checkpoint that restores; `latest_step`
-reports the newest complete one.
+`best_metric` under checkpoints/best (hard links to latest's files of that step: stored once).
+Orbax writes each step to a temporary folder and renames it only when complete, so a crash during a
+save leaves no checkpoint that restores; `latest_step` reports the newest complete one.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ that sample outside a Session call `jax_engine` too. Unit tests may still build 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import urllib.parse
@@ -92,7 +93,7 @@ def make_engine(rcfg, student: Model, params, *, pad_id: int, eos_ids: Sequence[
 
 
 def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out_dir: str, index: int | None = None,
-                     host: str = "127.0.0.1", port: int | None = None) -> VllmServer:
+                     host: str = "127.0.0.1", port: int | None = None, gpu: bool | None = None) -> VllmServer:
   """The server `rollout.vllm` describes, serving `model_dir` (not started). `index`: the i-th of
   `num_servers` (its own log, its own GPUs out of `vcfg.gpus`, `tensor_parallel_size` each). The step
   budget (--max-num-batched-tokens) holds a whole batch of `batch_size` requests of up to `max_len`
@@ -100,8 +101,10 @@ def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out
   extra = vcfg.extra_args
   extra = (*recipe.server_args(vcfg, model_dir), *(shlex.split(extra) if isinstance(extra, str) else extra or ()))
   tag = "" if index is None else f"-{index}"
-  env = {"VLLM_CACHE_ROOT": os.path.join(out_dir, "vllm-cache"), "VLLM_CPU_KVCACHE_SPACE": str(vcfg.cpu_kvcache_gib)}
   gpus = [g.strip() for g in getattr(vcfg, "gpus", "").split(",") if g.strip()]
+  env = {"VLLM_CACHE_ROOT": os.path.join(out_dir, "vllm-cache")}
+  if not (bool(gpus) if gpu is None else gpu):  # vllm-cpu's KV cache size; a GPU server sizes its own
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(vcfg.cpu_kvcache_gib)
   if gpus:
     tp, i = vcfg.tensor_parallel_size, index or 0
     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * tp:(i + 1) * tp])
@@ -153,3 +156,15 @@ def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: in
     for e in engines:
       e.close()
     raise
+
+
+def sidecar_command(cfg, model: str, port: int, tp: int, out_dir: str) -> list[str]:
+  """`env ... vllm serve ...` of one GPU sidecar for `cfg` (what `opdjax launch sidecar` prints for
+  launch/*.sh): the flags every server opdjax starts gets (token-id prompts, processed log-probs,
+  dev-mode weight reload, the step budget for the config's batch and max_len), bound beyond
+  loopback (so guarded by the job's sidecar token), with CUDA graphs and no CPU-only settings."""
+  vcfg = dataclasses.replace(cfg.rollout.vllm, tensor_parallel_size=tp, gpus="", enforce_eager=False)
+  server = make_vllm_server(vcfg, model, max_len=cfg.rollout.max_len, batch_size=cfg.rollout.batch_size,
+                            out_dir=out_dir, host="0.0.0.0", port=port, gpu=True)
+  env = {**server.env, "VLLM_SERVER_DEV_MODE": "1"}
+  return ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *server.command()]

@@ -1,0 +1,66 @@
+"""Error paths of `opdjax train` that must leave nothing behind: start-up checks before the first
+write in a new --out, and Ctrl-C reported in one line with where the same command resumes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from opdjax import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _closed_port() -> int:
+  with socket.socket() as s:  # bound then released: nothing listens there
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("url, says", [(f"http://127.0.0.1:{_closed_port()}", "no vLLM server answers at"),
+                                       ("127.0.0.1:8000", "is not a server's base URL"),
+                                       ("http://127.0.0.1:8000/v1", "is not a server's base URL")])
+def test_unreachable_or_malformed_vllm_url_writes_nothing(tmp_path, capsys, url, says):
+  out = tmp_path / "new"
+  rc = cli.main(["train", "--config", "configs/demo.py", "--out", str(out), "--config.rollout.engine=vllm",
+                 f"--config.rollout.vllm.url={url}"])
+  err = capsys.readouterr().err
+  assert rc == 2 and says in err, err
+  assert len(err.strip().splitlines()) == 1, err
+  assert not out.exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_and_the_same_command_resumes(demo_cache, tmp_path):
+  out = tmp_path / "run"
+  cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", "configs/demo.py", "--out", str(out),
+         "--config.train.steps=400", "--config.train.checkpoint_every=2", "--config.train.eval_every=50"]
+  env = {**os.environ, "OPDJAX_CACHE": demo_cache}
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  latest = out / "checkpoints" / "latest"
+  deadline = time.time() + 240
+
+  def saved() -> bool:
+    return latest.is_dir() and any(d.isdigit() and int(d) >= 4 for d in os.listdir(latest))
+
+  while time.time() < deadline and not saved():
+    assert proc.poll() is None, proc.communicate()
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err
+  assert "Traceback" not in err, err
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("opdjax: interrupted during step ") and "the same command resumes from step" in last, err
+  resume_step = int(last.rsplit("step ", 1)[1].rstrip("."))
+  done = sorted(int(d) for d in os.listdir(latest) if d.isdigit())
+  assert resume_step == done[-1] >= 4  # every checkpoint the message counts on is complete
+  rerun = subprocess.run([*cmd[:-3], "--config.train.steps=" + str(resume_step + 1), *cmd[-2:]], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+  assert rerun.returncode == 0 and f"resumed at step {resume_step}" in rerun.stdout, rerun.stderr
