@@ -161,8 +161,8 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
 
   method = planning.__doc__.split("\n\n", 2)[2]  # what the numbers are (the XLA CPU compile's) and the headroom
   p.epilog = f"Models: {', '.join(KNOWN_SHAPES)}, or an HF folder / config.json.\n\n{method}"
-  p.add_argument("--teacher", required=True, help="teacher model")
-  p.add_argument("--student", required=True, help="student model")
+  p.add_argument("--teacher", help="teacher model (required, but for --schedule --measure)")
+  p.add_argument("--student", help="student model (required, but for --schedule --measure)")
   p.add_argument("--devices", type=int, default=8, help="devices of the mesh (default 8)")
   p.add_argument("--mesh", default="fsdp=-1", help="axis sizes, e.g. 'fsdp=8', 'data=2,fsdp=4' (default fsdp=-1)")
   p.add_argument("--batch", type=int, default=64, help="sequences per step (default 64)")
@@ -178,6 +178,48 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--hbm-gib", type=float, default=141.0, help="device memory: 141 H200 (default), 80 H100")
   p.add_argument("--headroom", type=float, default=0.9, help="fraction of HBM the peak may use (default 0.9)")
   p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+  schedule_arguments(p)
+
+
+def schedule_arguments(p: argparse.ArgumentParser) -> None:
+  from opdjax.analyses.schedule import DEVICES, EFFICIENCY
+
+  s = p.add_argument_group("--schedule: the predicted steady-state step time of sync colocated, sync disaggregated"
+                           " and async k, and the rollout/trainer device split minimising it (modelled from"
+                           " --teacher/--student on --devices x --device, or measured with --measure)")
+  s.add_argument("--schedule", action="store_true", help="predict the step schedule instead of the memory plan")
+  s.add_argument("--measure", nargs="+", metavar="RUN", help="per-stage costs from these runs' time split (run folders"
+                 " or metrics.jsonl of timed or asynchronous runs) instead of the model; each run's costs also"
+                 " predict the step of a run of the other kind given with it")
+  s.add_argument("--device", choices=sorted(DEVICES), default="h100-sxm", help="device table entry (default h100-sxm)")
+  s.add_argument("--rollout-devices", type=int, default=0, help="the rollout engine's devices (default 0: every split)")
+  s.add_argument("--depth", type=int, default=1, help="async k, rollout.async_depth (default 1)")
+  s.add_argument("--fp8", action="store_true", help="the engine's weights and KV cache in FP8 (FP8 GPUs)")
+  s.add_argument("--fp8-generate-speedup", type=float, default=1.0, metavar="X",
+                 help="--measure: generation X times faster with FP8 (CPU cannot measure it: give X with its source)")
+  s.add_argument("--efficiency", default="", metavar="NAME=F,...",
+                 help=f"fractions of the peaks reached (default {','.join(f'{k}={v}' for k, v in EFFICIENCY.items())})")
+
+
+def plan_schedule(args) -> int:
+  from opdjax.analyses import schedule
+
+  if args.depth < 1:
+    raise UserError(f"--depth {args.depth}: async k is >= 1 (the synchronous baselines are predicted with it).")
+  if args.measure:
+    result = schedule.predict_measured(args.measure, args.depth, args.fp8_generate_speedup)
+  else:
+    if not (args.teacher and args.student):
+      raise UserError("--schedule models the costs from --teacher and --student (or give --measure RUN ...).")
+    result = schedule.modelled(args.teacher, args.student, devices=args.devices, device=args.device,
+                               batch=args.batch, seq_len=args.seq_len, prompt_len=args.prompt_len, fp8=args.fp8,
+                               remat=args.remat, efficiency=args.efficiency, rollout_devices=args.rollout_devices,
+                               k=args.depth)
+  print(schedule.report(result))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=2)
+  return 0
 
 
 def plan(args, overrides) -> int:
@@ -185,6 +227,10 @@ def plan(args, overrides) -> int:
 
   if args.prompt_len >= args.seq_len:
     raise UserError(f"--prompt-len {args.prompt_len} must be below --seq-len {args.seq_len} (room to generate).")
+  if args.schedule:
+    return plan_schedule(args)
+  if not (args.teacher and args.student):
+    raise UserError("opdjax plan needs --teacher and --student (the models whose memory it plans).")
   spec = planning.Plan(args.teacher, args.student, args.devices, planning.parse_mesh(args.mesh), args.batch,
                        args.seq_len, args.prompt_len, args.loss, args.chunk, args.dtype, args.remat, args.layers)
   result = planning.run(spec)
