@@ -182,15 +182,16 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def schedule_arguments(p: argparse.ArgumentParser) -> None:
-  from opdjax.analyses.schedule import DEVICES, EFFICIENCY
+  from opdjax.analyses.schedule_model import DEVICES, EFFICIENCY
 
   s = p.add_argument_group("--schedule: the predicted steady-state step time of sync colocated, sync disaggregated"
                            " and async k, and the rollout/trainer device split minimising it (modelled from"
                            " --teacher/--student on --devices x --device, or measured with --measure)")
   s.add_argument("--schedule", action="store_true", help="predict the step schedule instead of the memory plan")
   s.add_argument("--measure", nargs="+", metavar="RUN", help="per-stage costs from these runs' time split (run folders"
-                 " or metrics.jsonl of timed or asynchronous runs) instead of the model; each run's costs also"
-                 " predict the step of a run of the other kind given with it")
+                 " or metrics.jsonl of timed or asynchronous runs; a configs/*.py is run here, sync and async)"
+                 " instead of the model; each run's costs also predict the step of a run of the other kind")
+  s.add_argument("--steps", type=int, default=30, help="steps a config given to --measure runs each way (default 30)")
   s.add_argument("--device", choices=sorted(DEVICES), default="h100-sxm", help="device table entry (default h100-sxm)")
   s.add_argument("--rollout-devices", type=int, default=0, help="the rollout engine's devices (default 0: every split)")
   s.add_argument("--depth", type=int, default=1, help="async k, rollout.async_depth (default 1)")
@@ -202,16 +203,16 @@ def schedule_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def plan_schedule(args) -> int:
-  from opdjax.analyses import schedule
+  from opdjax.analyses import schedule, schedule_model
 
   if args.depth < 1:
     raise UserError(f"--depth {args.depth}: async k is >= 1 (the synchronous baselines are predicted with it).")
   if args.measure:
-    result = schedule.predict_measured(args.measure, args.depth, args.fp8_generate_speedup)
+    result = schedule.predict_measured(args.measure, args.depth, args.fp8_generate_speedup, args.steps)
   else:
     if not (args.teacher and args.student):
       raise UserError("--schedule models the costs from --teacher and --student (or give --measure RUN ...).")
-    result = schedule.modelled(args.teacher, args.student, devices=args.devices, device=args.device,
+    result = schedule_model.modelled(args.teacher, args.student, devices=args.devices, device=args.device,
                                batch=args.batch, seq_len=args.seq_len, prompt_len=args.prompt_len, fp8=args.fp8,
                                remat=args.remat, efficiency=args.efficiency, rollout_devices=args.rollout_devices,
                                k=args.depth)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from opdjax import cli
-from opdjax.analyses import schedule
+from opdjax.analyses import schedule, schedule_model
 from opdjax.analyses.capacity import load_model_config
 from opdjax.errors import UserError
 from opdjax.pipeline import overlap
@@ -104,16 +104,16 @@ def test_measure_refuses_runs_without_a_time_split(tmp_path):
 
 def test_modelled_costs_scale_with_devices_and_pick_the_best_split():
   t, s = load_model_config("qwen3-8b")[1], load_model_config("qwen3-1.7b")[1]
-  lay = schedule.Layout(t, s, 16, "h100-sxm", batch=256, seq_len=4096, prompt_len=512)
+  lay = schedule_model.Layout(t, s, 16, "h100-sxm", batch=256, seq_len=4096, prompt_len=512)
   # The model cards: Qwen3-1.7B 1.7B parameters (1.4B without embeddings), Qwen3-8B 8.2B (6.95B).
-  assert schedule.total_params(s) == pytest.approx(1.7e9, rel=0.03)
-  assert schedule.total_params(s) - s.vocab_size * s.hidden_size == pytest.approx(1.4e9, rel=0.03)
-  assert schedule.total_params(t) == pytest.approx(8.2e9, rel=0.03)
-  assert schedule.train_seconds(lay, 8) == pytest.approx(2 * schedule.train_seconds(lay, 16))
-  assert schedule.generate_seconds(lay, 8) < schedule.generate_seconds(lay, 4)
-  fp8 = schedule.Layout(t, s, 16, "h100-sxm", batch=256, seq_len=4096, prompt_len=512, fp8=True)
-  assert schedule.generate_seconds(fp8, 8) < 0.7 * schedule.generate_seconds(lay, 8)  # half the bytes read
-  out = schedule.predict_modelled(lay, 1)
+  assert schedule_model.total_params(s) == pytest.approx(1.7e9, rel=0.03)
+  assert schedule_model.total_params(s) - s.vocab_size * s.hidden_size == pytest.approx(1.4e9, rel=0.03)
+  assert schedule_model.total_params(t) == pytest.approx(8.2e9, rel=0.03)
+  assert schedule_model.train_seconds(lay, 8) == pytest.approx(2 * schedule_model.train_seconds(lay, 16))
+  assert schedule_model.generate_seconds(lay, 8) < schedule_model.generate_seconds(lay, 4)
+  fp8 = schedule_model.Layout(t, s, 16, "h100-sxm", batch=256, seq_len=4096, prompt_len=512, fp8=True)
+  assert schedule_model.generate_seconds(fp8, 8) < 0.7 * schedule_model.generate_seconds(lay, 8)  # half the bytes read
+  out = schedule_model.predict_modelled(lay, 1)
   best = out["best_async"]
   assert best["async_k1_s"] == min(sp["async_k1_s"] for sp in out["splits"])
   assert best["async_k1_s"] == pytest.approx(max(best["costs"]["generate"], best["costs"]["train"])
@@ -124,15 +124,15 @@ def test_modelled_costs_scale_with_devices_and_pick_the_best_split():
 
 def test_layouts_that_do_not_fit_are_refused_naming_the_fix():
   with pytest.raises(UserError, match="needs about .* GiB a device.*more devices"):
-    schedule.modelled("qwen3-8b", "qwen3-1.7b", devices=2, device="tpu-v5e", batch=64, seq_len=1024,
+    schedule_model.modelled("qwen3-8b", "qwen3-1.7b", devices=2, device="tpu-v5e", batch=64, seq_len=1024,
                       prompt_len=512)
   with pytest.raises(UserError, match="no FP8 matmuls"):
-    schedule.modelled("qwen3-8b", "qwen3-1.7b", devices=16, device="tpu-v5e", batch=64, seq_len=1024,
+    schedule_model.modelled("qwen3-8b", "qwen3-1.7b", devices=16, device="tpu-v5e", batch=64, seq_len=1024,
                       prompt_len=512, fp8=True)
   with pytest.raises(UserError, match="--efficiency"):
-    schedule.parse_efficiency("train=2")
+    schedule_model.parse_efficiency("train=2")
   with pytest.raises(UserError, match="--rollout-devices 16"):
-    schedule.modelled("qwen3-8b", "qwen3-1.7b", devices=16, device="h100-sxm", batch=64, seq_len=1024,
+    schedule_model.modelled("qwen3-8b", "qwen3-1.7b", devices=16, device="h100-sxm", batch=64, seq_len=1024,
                       prompt_len=512, rollout_devices=16)
 
 
