@@ -163,7 +163,7 @@ def test_bounded_mode_runs_free_within_the_depth(session, monkeypatch):
     return engine
 
   monkeypatch.setattr(EngineCache, "get", slow_engine)
-  producer = async_sampler.engine_device("", jax.devices()[0], "jax")
+  producer = async_sampler.engine_side(session, "").key
   session.engines.drop(producer)  # a fresh producer engine, slowed
   behind = run_loop(session, steps=8, async_depth=2, async_mode="bounded").records
   session.engines.drop(producer)
@@ -249,10 +249,12 @@ def test_view_lag_and_async_depth_together_are_refused():
 @pytest.mark.slow
 def test_devices_the_engine_cannot_use_are_refused_at_start_up(session, monkeypatch):
   assert len(jax.local_devices()) == 1  # this test process: one CPU device, the trainer's
-  with pytest.raises(UserError, match=r"rollout.devices='0' is the trainer's device .* needs its own"):
-    run_loop(session, steps=1, async_depth=1, devices="0")
-  with pytest.raises(UserError, match="has 1 cpu device.*JAX_NUM_CPU_DEVICES=2"):
-    run_loop(session, steps=1, async_depth=1, devices="3")
+  with pytest.raises(UserError, match=r"rollout.devices='0,' overlaps the trainer's device .* devices of its own"):
+    run_loop(session, steps=1, async_depth=1, devices="0,")
+  with pytest.raises(UserError, match="names device.* 3, which this host lacks: it has 1 cpu.*JAX_NUM_CPU_DEVICES"):
+    run_loop(session, steps=1, async_depth=1, devices="3,")
+  with pytest.raises(UserError, match="asks for 2 device.*this host has 1 cpu device"):
+    run_loop(session, steps=1, async_depth=1, devices="2")
   monkeypatch.setattr(async_sampler, "free_bytes", lambda device: 1000)  # a device with 1000 bytes free
   with pytest.raises(UserError, match="async_depth=3 keeps 5 params copies .* lower rollout.async_depth"):
     run_loop(session, steps=1, async_depth=3)

@@ -100,8 +100,8 @@ def test_mesh_config_keys_are_checked():
     build(Config().to_dict() | {"mesh": {"data": 0, "fsdp": 1, "tensor": 1}})
   with pytest.raises(ConfigError, match="mesh.data and mesh.fsdp are both -1"):
     build(Config().to_dict() | {"mesh": {"data": -1, "fsdp": -1, "tensor": 1}})
-  with pytest.raises(UserError, match="rollout.async_depth=1 with a sharded mesh"):
-    Config().replace(mesh={"fsdp": 2}, rollout={"async_depth": 1})
+  # Asynchronous rollouts on a mesh: the JAX engine on devices of its own (tests/test_async_mesh.py).
+  assert Config().replace(mesh={"fsdp": 2}, rollout={"async_depth": 1, "devices": "2,3"}).rollout.devices == "2,3"
 
 
 def _run_4dev(code: str, timeout: int = 600) -> dict:

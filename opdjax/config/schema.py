@@ -79,9 +79,6 @@ class Config:
         raise UserError(f"train.guard_view: {e}") from None
     if self.task.name == "prompts" and not self.teacher.path:
       raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
-    if self.rollout.async_depth and (self.mesh.data, self.mesh.fsdp, self.mesh.tensor) != (1, 1, 1):
-      raise UserError(f"rollout.async_depth={self.rollout.async_depth} with a sharded mesh: the asynchronous producer"
-                      " samples on a device of its own; use rollout.async_depth=0, or the default mesh (all 1).")
     return self
 
   def to_dict(self) -> dict:

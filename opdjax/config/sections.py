@@ -8,7 +8,6 @@ Every error names the key and the valid choices.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import os
 import shlex
@@ -16,11 +15,6 @@ import shlex
 from opdjax.errors import UserError
 from opdjax.models.decoder import REMAT_POLICIES
 from opdjax.rollout.base import SamplingParams
-
-# Files named by the config (task.path, train.budget) are checked to exist, except while a command
-# prints commands for another machine (`opdjax launch sidecar`, the launchers' --dry-run), where the
-# paths are the cluster's (opdjax.config.resolve.paths_unchecked).
-CHECK_PATHS: contextvars.ContextVar[bool] = contextvars.ContextVar("opdjax_check_paths", default=True)
 
 ENGINES = ("jax", "vllm")
 DTYPES = ("float32", "bfloat16")
@@ -67,7 +61,7 @@ class TaskConfig:
     if self.name == "prompts":
       if not self.path:
         raise UserError("task.path is empty: task.name='prompts' needs a JSONL of prompts (or builtin:NAME).")
-      if not self.path.startswith("builtin:") and CHECK_PATHS.get() and not os.path.exists(self.path):
+      if not self.path.startswith("builtin:") and not os.path.exists(self.path):
         raise UserError(f"task.path={self.path!r} does not exist; give a JSONL file of prompts.")
 
 
@@ -85,7 +79,7 @@ class ModelConfig:
 
 
 def _check_path(role: str, path: str) -> None:
-  if path and not path.startswith("fetch:") and CHECK_PATHS.get() and not os.path.isdir(path):
+  if path and not path.startswith("fetch:") and not os.path.isdir(path):
     raise UserError(f"{role}.path={path!r} is not a folder; give a Hugging Face safetensors folder or"
                     " fetch:NAME (see `opdjax models fetch`).")
 
@@ -183,8 +177,9 @@ class VllmConfig:
 class RolloutConfig:
   """`async_depth` k > 0: a producer samples while the trainer trains, at most k params versions
   behind (opdjax.pipeline.async_sampler); `async_mode` exact (always k behind: equals the `lag=k`
-  view bitwise) or bounded (the newest params within k). `devices`: the local device index the JAX
-  engine's producer samples on (default: the last one that is not the trainer's)."""
+  view bitwise) or bounded (the newest params within k). `devices`: the JAX engine's own devices on
+  this host, a count ('2': the last two) or a set of `jax.local_devices()` indices ('2,3'; one: '3,');
+  the trainer's mesh is built over the rest (default: the last device that is not the trainer's)."""
 
   engine: str = "jax"
   view: str = "clean"
@@ -249,8 +244,9 @@ class RolloutConfig:
       if self.engine != "jax":
         raise UserError(f"rollout.devices={self.devices!r}: only the JAX engine samples on this process's devices;"
                         " leave it empty with rollout.engine='vllm'.")
-      if not all(x.strip().isdigit() for x in self.devices.split(",")):
-        raise UserError(f"rollout.devices={self.devices!r}: give a device index (e.g. '1'), as in jax.local_devices().")
+      from opdjax.parallel.devices import parse
+
+      parse(self.devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +279,7 @@ class TrainConfig:
     check_choice("train.on_nonfinite", self.on_nonfinite, NONFINITE)
     check_choice("train.guard", self.guard, GUARDS)
     check_positive("train.guard_window", self.guard_window)
-    if self.budget and CHECK_PATHS.get() and not os.path.isfile(self.budget):
+    if self.budget and not os.path.isfile(self.budget):
       raise UserError(f"train.budget={self.budget!r} does not exist; write one with `opdjax calibrate --out DIR`"
                       " (DIR/budget.json), or leave train.budget empty.")
     if self.guard != "warn" and not self.budget:

@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from opdjax.parallel import rules
+from opdjax.parallel.devices import engine_mesh
 from opdjax.parallel.mesh import check_fits, is_single_device, make_mesh
 
 
@@ -27,16 +28,39 @@ class Placement:
     self.mesh = mesh
 
   @classmethod
-  def from_config(cls, mesh_cfg, model_cfgs: dict, rows: dict[str, int]) -> Placement:
-    """The config's mesh over every device, checked against the models (`{role: ModelConfig}`) and
-    the batches (`{config key: rows}`); no mesh for the default all-1 mesh in a single process."""
+  def from_config(cls, mesh_cfg, model_cfgs: dict, rows: dict[str, int], devices=None,
+                  note=lambda mesh: "") -> Placement:
+    """The config's mesh over every device (or over `devices`: those an asynchronous JAX engine
+    leaves, opdjax.parallel.devices), checked against the models (`{role: ModelConfig}`) and the
+    batches (`{config key: rows}`); no mesh for the default all-1 mesh in a single process.
+    `note(mesh)`: more for the start-up line (where the engine samples)."""
     if is_single_device(mesh_cfg) and jax.process_count() == 1:
+      said = note(None)
+      if said:
+        print(f"opdjax: the trainer on device 0, unsharded; {said}", file=sys.stderr, flush=True)
       return cls(None)
-    mesh = make_mesh(mesh_cfg)
+    mesh = make_mesh(mesh_cfg, devices)
     check_fits(mesh, model_cfgs, rows)
+    said = note(mesh)
     if jax.process_index() == 0:
-      print(f"opdjax: {describe(mesh)}", file=sys.stderr, flush=True)
+      print(f"opdjax: trainer {describe(mesh)}{'; ' + said if said else ''}", file=sys.stderr, flush=True)
     return cls(mesh)
+
+  @classmethod
+  def engine(cls, devices, trainer: Placement, model_cfg, batch: int) -> Placement:
+    """The asynchronous JAX engine's own placement over `devices` (opdjax.parallel.devices.engine_mesh)."""
+    return cls(engine_mesh(list(devices), trainer.mesh, model_cfg, batch))
+
+  def __eq__(self, other) -> bool:  # engine caches are keyed by placement (opdjax.pipeline.session.EnginePool)
+    return isinstance(other, Placement) and self.mesh == other.mesh
+
+  def __hash__(self) -> int:
+    return hash(self.mesh)
+
+  @property
+  def devices(self) -> list:
+    """The mesh's devices, in mesh order ([] without a mesh: the default device)."""
+    return [] if self.mesh is None else list(self.mesh.devices.flat)
 
   @property
   def sharded(self) -> bool:

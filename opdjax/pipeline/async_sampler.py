@@ -4,18 +4,26 @@ trainer trains, through a bounded queue.
 `rollout.async_depth=k` with `rollout.async_mode`:
 - `exact`: step t trains on a rollout sampled with params version max(t - k, first kept), the
   version, noise draw, prompts and sampling seed of the synchronous `lag=k` view, so its metrics
-  equal that run's bitwise (JAX engine). Rollout t needs version t - k, which the trainer publishes
-  when it asks for rollout t - k: the producer runs at most k steps ahead.
+  equal that run's bitwise (JAX engine, on a mesh of the trainer's shape). Rollout t needs version
+  t - k, which the trainer publishes when it asks for rollout t - k: the producer runs at most k
+  steps ahead.
 - `bounded`: a free-running producer samples each rollout with the newest published version;
   rollout t is admitted (its generation may start) only while that version is >= t - k (AReaL's
   staleness rule), so no step trains on params more than k steps old. Which version a rollout gets
   depends on timing; each records its own.
 
-The trainer publishes params version s (after s updates) when it asks for rollout s: a copy onto
-the engine's device (`jax.device_put`, never an alias: the next train step donates its state). The
-JAX engine runs in the producer thread on its own device (`rollout.devices`; on CPU a host device,
-`JAX_NUM_CPU_DEVICES=2`, so each side has a core); the objective's inputs go back with `device_put`.
-The vLLM engine samples in its own process; its producer thread exports weights and waits on requests.
+Weight hand-off, by the seam of opdjax.rollout.base: the trainer publishes params version s (after s
+updates) when it asks for rollout s, on its own thread: a copy where the engine reads it (the JAX
+engine: `jax.device_put` onto its devices' shardings, device to device, never an alias: the next
+train step donates its state), the view's transform (noise, quantization), then `engine.export`
+(every process of a multi-process trainer, in the same order: it may gather and write files). The
+producer only `load`s an exported version and samples; it never issues a collective.
+
+Where the producer samples: the JAX engine on devices of its own (`rollout.devices`, a count or a
+set; its own mesh over several, opdjax.parallel.devices; the trainer's mesh is the rest); vLLM in its
+own processes. Behind a multi-process trainer (vLLM only) the producer thread of process 0 drives
+the servers and hands over host arrays; the trainer threads of every process `distribute` step t's
+rollout (a broadcast) when they take it, then build the objective's inputs (PrimaryEngine).
 
 Rollouts in flight are never checkpointed: in exact mode the versions they need are (the same k + 1
 versions the `lag=k` view keeps), so a resumed run regenerates them bitwise; in bounded mode a
@@ -26,20 +34,29 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import math
+import shutil
 import sys
 import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from opdjax import seeds
 from opdjax.errors import UserError
+from opdjax.parallel.devices import NO_DEVICES, engine_devices
+from opdjax.parallel.placement import Placement
+from opdjax.parallel.rules import param_shardings
 from opdjax.pipeline.session import Session
 from opdjax.pipeline.stages import Clock, Sample, check_group, step_prompts
+from opdjax.rollout.base import WeightUpdate
 from opdjax.views.view import EngineView
 
 MODES = ("exact", "bounded")
+
 
 def free_bytes(device) -> int | None:
   """Free memory of `device` in bytes, None where the runtime does not report it (CPU)."""
@@ -52,62 +69,111 @@ def free_bytes(device) -> int | None:
   return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
-def engine_device(spec: str, trainer_device, engine_kind: str):
-  """The device the producer's JAX engine samples on: `rollout.devices` (an index into this process's
-  devices), else the last device that is not the trainer's, else (one device) the trainer's own."""
-  if engine_kind != "jax":
-    return trainer_device  # vLLM samples in its own process; the published copies stay with the trainer
-  local = jax.local_devices(backend=trainer_device.platform)
+@dataclasses.dataclass
+class EngineSide:
+  """Where the producer's JAX engine samples: `devices` (its own), `placement` (its own mesh over
+  them; None for one device: the unsharded engine under `jax.default_device`)."""
+
+  devices: list
+  placement: Placement | None
+
+  @property
+  def device(self):
+    return self.devices[0]
+
+  @property
+  def key(self):
+    """EnginePool's key of its engines."""
+    return self.placement if self.placement is not None else self.device
+
+  def shardings(self, params):
+    if self.placement is not None:
+      return param_shardings(params, self.placement.mesh)
+    return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(self.device), params)
+
+
+def engine_side(session: Session, spec: str) -> EngineSide | None:
+  """The JAX engine's devices for `rollout.devices=spec` (None for vLLM: it samples in its own
+  processes), checked against the trainer's: they may not overlap it, nor be missing on this host."""
+  if session.cfg.rollout.engine != "jax":
+    return None
+  trainer = session.placement.devices or [jax.devices()[0]]
+  local = jax.local_devices(backend=trainer[0].platform)
   if not spec:
-    others = [d for d in local if d != trainer_device]
-    if not others:
-      print(f"opdjax: asynchronous rollouts on one {trainer_device.platform} device: the producer shares the"
-            " trainer's device, so only host work overlaps; on CPU set JAX_NUM_CPU_DEVICES=2 (one host device a"
-            " side), elsewhere give rollout.devices.", file=sys.stderr)
-    return others[-1] if others else trainer_device
-  index = [int(x) for x in spec.split(",")]
-  if len(index) != 1:
-    raise UserError(f"rollout.devices={spec!r}: the JAX engine samples on one device; give one index.")
-  if index[0] >= len(local):
-    raise UserError(f"rollout.devices={spec!r}: this process has {len(local)} {trainer_device.platform} device(s),"
-                    f" indices 0..{len(local) - 1}; on CPU set JAX_NUM_CPU_DEVICES=2 for a second host device.")
-  device = local[index[0]]
-  if device == trainer_device:
-    free = [str(i) for i, d in enumerate(local) if d != trainer_device]
-    raise UserError(f"rollout.devices={spec!r} is the trainer's device ({device}); the JAX engine needs its own to"
-                    f" sample while the trainer trains: give {' or '.join(free) or 'another device (none is free)'}.")
-  return device
+    if session.placement.sharded:
+      raise UserError(NO_DEVICES.format(depth=session.cfg.rollout.async_depth or "k", n=len(local)))
+    others = [d for d in local if d not in trainer]
+    return EngineSide([others[-1] if others else trainer[0]], None)
+  devices = engine_devices(spec, local)
+  shared = [local.index(d) for d in devices if d in trainer]
+  if shared:
+    free = [str(i) for i, d in enumerate(local) if d not in trainer]
+    what = "the trainer's device" if len(trainer) == 1 else "the trainer's mesh"
+    raise UserError(f"rollout.devices={spec!r} overlaps {what} (device(s) {', '.join(map(str, shared))}); the JAX"
+                    " engine needs devices of its own to sample while the trainer trains: give it devices out of"
+                    f" {','.join(free) or 'none (every device is the trainer s)'}, or build the trainer's mesh over"
+                    " the rest (rollout.devices in the run's config).")
+  if len(devices) == 1:
+    return EngineSide(devices, None)
+  return EngineSide(devices, Placement.engine(devices, session.placement, session.student.cfg,
+                                              session.cfg.rollout.batch_size))
 
 
-def check_memory(device, params, depth: int) -> None:
-  """Exact mode keeps depth + 1 versions on the engine's device, plus the engine's own transformed copy."""
-  free = free_bytes(device)
-  if free is None:
+def check_memory(side: EngineSide | None, params, depth: int, view: EngineView) -> None:
+  """Exact mode keeps depth + 1 versions on the engine's devices (and their transformed copies, for
+  views with noise or quantization), plus the engine's own installed copy."""
+  if side is None:
     return
-  size = sum(x.nbytes for x in jax.tree.leaves(params))
-  if (depth + 2) * size > free:
-    raise UserError(f"rollout.async_depth={depth} keeps {depth + 2} params copies ({(depth + 2) * size / 2**30:.2f}"
-                    f" GiB) on the engine's device {device}, which has {free / 2**30:.2f} GiB free; lower"
-                    " rollout.async_depth or give the engine a device with more memory (rollout.devices).")
+  frees = [free_bytes(d) for d in side.devices]
+  if any(f is None for f in frees):
+    return
+  shardings = side.shardings(params)
+  per_device = sum(math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x, sh in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))
+  copies = (depth + 1) * (1 if view == EngineView(lag=view.lag) else 2) + 1
+  free = min(frees)
+  if copies * per_device > free:
+    raise UserError(f"rollout.async_depth={depth} keeps {copies} params copies ({copies * per_device / 2**30:.2f} GiB"
+                    f" a device) on the engine's device(s), which have {free / 2**30:.2f} GiB free; lower"
+                    " rollout.async_depth or give the engine more devices or memory (rollout.devices).")
+
+
+def check_start(session: Session, spec: str, depth: int, view: EngineView) -> None:
+  """The sampler's start-up checks of the engine's devices and memory, for `opdjax train` to run
+  before it writes anything."""
+  check_memory(engine_side(session, spec), session.student_params, depth, view)
 
 
 class Versions:
-  """Params versions published onto the engine's device, the newest `maxlen` kept (exact mode: the
-  k + 1 versions the `lag=k` view keeps, which is what a checkpoint saves). `push` copies."""
+  """Params versions published for the engine, the newest `maxlen` kept (exact mode: the k + 1
+  versions the `lag=k` view keeps, which is what a checkpoint saves): each a copy where the engine
+  reads it and its export. `copy`, `export` and `release` are the sampler's (trainer thread)."""
 
-  def __init__(self, maxlen: int, device):
-    self.maxlen, self.device = maxlen, device
-    self._buf: collections.OrderedDict = collections.OrderedDict()
+  def __init__(self, maxlen: int, copy, export, release):
+    self.maxlen, self._copy, self._export, self._release = maxlen, copy, export, release
+    self._buf: collections.OrderedDict = collections.OrderedDict()  # version -> [params, update]
 
-  def push(self, version: int, params, copy: bool = True) -> None:
-    if copy:  # may_alias=False: a real copy even on the trainer's own device (the step donates it)
-      params = jax.device_put(params, self.device, may_alias=False)
-    self._buf[version] = params
+  def push(self, version: int, params) -> None:
+    params = self._copy(params)
+    self._buf[version] = [params, self._export(version, params)]
+    self.resize(self.maxlen)
+
+  def resize(self, maxlen: int) -> None:
+    self.maxlen = maxlen
     while len(self._buf) > self.maxlen:
-      self._buf.popitem(last=False)
+      self._release(self._buf.popitem(last=False)[1][1])
+
+  def reexport(self) -> None:
+    """Every kept version exported again (the view changed)."""
+    for version, entry in self._buf.items():
+      self._release(entry[1])
+      entry[1] = self._export(version, entry[0])
 
   def get(self, version: int):
-    return self._buf[version]
+    return self._buf[version][0]
+
+  def update(self, version: int) -> WeightUpdate:
+    return self._buf[version][1]
 
   @property
   def latest(self) -> int:
@@ -118,10 +184,20 @@ class Versions:
     return list(self._buf)
 
   def params(self) -> list:
-    return list(self._buf.values())
+    return [e[0] for e in self._buf.values()]
 
   def __len__(self):
     return len(self._buf)
+
+
+@dataclasses.dataclass
+class Pending:
+  """A rollout process 0's producer sampled, not yet distributed to every process."""
+
+  prompts: list
+  refs: list
+  produced: object
+  stats: dict
 
 
 class AsyncSampler:
@@ -137,25 +213,30 @@ class AsyncSampler:
     if mode not in MODES:
       raise UserError(f"rollout.async_mode={mode!r}; choose one of {', '.join(repr(m) for m in MODES)}.")
     check_group(session.cfg.rollout.batch_size, group)
-    if session.placement.sharded:
-      raise UserError("rollout.async_depth > 0 with a trainer sharded over a device mesh (mesh.*) is not supported"
-                      " yet: the producer samples on one device outside the trainer's and hands it an unsharded"
-                      " batch. Use the one-device mesh (mesh.data=mesh.fsdp=mesh.tensor=1) with async rollouts, or"
-                      " rollout.async_depth=0 on a mesh.")
     self.session, self.seed, self.group, self.prepare = session, seed, group, prepare
     self.mode, self.steps, self.depth = mode, steps, depth
     self.trainer_device = trainer_device or jax.devices()[0]
-    self.device = engine_device(devices, self.trainer_device, session.cfg.rollout.engine)
-    check_memory(self.device, session.student_params, depth)
-    self._versions = Versions(depth + 1, self.device)
+    self.side = engine_side(session, devices)
+    # The JAX engine's (first) device; None for vLLM, which samples in its own processes.
+    self.device = self.side.device if self.side is not None else None
+    if self.side is not None and self.side.device == self.trainer_device:
+      print(f"opdjax: asynchronous rollouts on one {self.device.platform} device: the producer shares the trainer's"
+            " device, so only host work overlaps; on CPU set JAX_NUM_CPU_DEVICES=2 (one host device a side),"
+            " elsewhere give rollout.devices.", file=sys.stderr)
+    # Behind several trainer processes process 0 alone samples; every process distributes.
+    self.spmd = jax.process_count() > 1
+    self.samples_here = not self.spmd or session.placement.primary
+    check_memory(self.side, session.student_params, depth, view)
     self._cv = threading.Condition()
-    self._ready: dict[int, Sample] = {}
+    self._ready: dict[int, Sample | Pending] = {}
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self._closed = self._paused = self._busy = False
     self._epoch = 0  # bumped by reconfigure: work of an older epoch is dropped
     self._first: int | None = None  # the oldest version at the start (lag floor, as ParamsHistory.lagged)
+    self._loaded: WeightUpdate | None = None  # the update the engine holds (loaded by this sampler)
     self._set_view(view)
+    self._versions = Versions(depth + 1, self._copy, self._export, self._release)
 
   @property
   def history(self) -> Versions | None:
@@ -166,13 +247,33 @@ class AsyncSampler:
     if view.lag:
       raise UserError(f"rollout.view={view} has a lag and rollout.async_depth={self.depth} is set: give the staleness"
                       f" once (async_depth={view.lag} samples with params {view.lag} steps old, as lag={view.lag}).")
-    # The session's pool keeps the producer's engines per device: a session's runs (sweeps,
-    # time_to_quality) compile the decode loop once per device.
-    s = self.session
+    # The session's pool keeps the producer's engines per device or placement: a session's runs
+    # (sweeps, time_to_quality) compile the decode loop once per device.
     self.view = view
-    self.engine = s.engines.get(view, device=self.device if s.cfg.rollout.engine == "jax" else None)
+    self.engine = self.session.engines.get(view, device=self.side.key if self.side is not None else None)
+    self._loaded = None
 
-  # --- the trainer's side ---
+  # --- the trainer's side: publish (copy, transform, export), take the rollout ---
+
+  def _copy(self, params):
+    if self.side is not None:  # onto the engine's devices, device to device
+      if not hasattr(self, "_shardings"):
+        self._shardings = self.side.shardings(params)
+      return jax.device_put(params, self._shardings, may_alias=False)
+    return _copy_in_place(params)  # vLLM: kept where the trainer has them (a jitted copy: global arrays too)
+
+  def _export(self, version: int, params) -> WeightUpdate:
+    t0 = time.perf_counter()
+    with self._on_engine():
+      engine_params = self.session.engine_params(self.engine, self.view, params, version, self.seed)
+      update = self.engine.export(engine_params, version)
+    update.stats = {**update.stats, "time_publish_export_s": time.perf_counter() - t0}
+    return update
+
+  def _release(self, update: WeightUpdate) -> None:
+    """A version dropped without the engine holding it: its exported folder goes (vLLM)."""
+    if update.path and update.path != getattr(self.engine, "weights_path", None):
+      shutil.rmtree(update.path, ignore_errors=True)
 
   def __call__(self, step: int, params) -> Sample:
     t0 = time.perf_counter()
@@ -182,8 +283,12 @@ class AsyncSampler:
       if self._first is None:
         self._first = self._versions.versions[0]
       self._cv.notify_all()
-    if self.depth == 0:  # backed off to synchronous: sample here, on the engine's device
-      sample = self._produce(step, step, self._versions.get(step), self.view, self.engine)
+    t1 = time.perf_counter()
+    if self.depth == 0:  # backed off to synchronous: sample here, on the engine's devices
+      version = self._version_for(step)
+      got = self._produce(step, version) if self.samples_here else None
+    elif not self.samples_here:
+      got = None  # process 0 samples; this process takes its rows in the broadcast below
     else:
       if self._thread is None:
         self._thread = threading.Thread(target=self._run, args=(step, self._epoch), daemon=True,
@@ -193,22 +298,40 @@ class AsyncSampler:
         while step not in self._ready:
           self._raise()
           self._cv.wait()
-        sample = self._ready.pop(step)
+        got = self._ready.pop(step)
         self._cv.notify_all()
-    sample.stats["time_queue_wait_s"] = time.perf_counter() - t0 - sample.stats.get("inline_s", 0.0)
-    sample.stats.pop("inline_s", None)
+    sample = self._distribute(step, got) if self.spmd else got
+    inline = sample.stats.pop("inline_s", 0.0)
+    sample.stats["time_queue_wait_s"] = time.perf_counter() - t1 - inline - sample.stats.get("time_distribute_s", 0.0)
+    sample.stats["time_publish_s"] = t1 - t0  # the trainer's: copy, view transform, export
     return sample
+
+  def _distribute(self, step: int, got: Pending | None) -> Sample:
+    """Every process, trainer thread: process 0's rollout broadcast (a collective, in step order),
+    each process's rows as global arrays, then the objective's inputs (the verifier's score stays
+    lazy: it gathers the completions, in the loop's flush, on every process)."""
+    t0, s = time.perf_counter(), self.session
+    if got is None:
+      prompts, refs = step_prompts(s, self.seed, step, s.cfg.rollout.batch_size, self.group)
+      stats = {}
+    else:
+      prompts, refs, stats = got.prompts, got.refs, got.stats
+    rollout = self.engine.distribute(got.produced if got is not None else None, prompts, s.sampling,
+                                     seed=seeds.derive(self.seed, step, "sample"))
+    inputs, score = self.prepare(rollout, refs)
+    stats = {**stats, "time_distribute_s": time.perf_counter() - t0,
+             "versions": np.full(len(prompts), rollout.params_version)}
+    return Sample(rollout, refs, inputs, score, stats)
 
   def reconfigure(self, depth: int | None = None, view: EngineView | None = None) -> None:
     """The guard's backoff, from the next step on: rollouts made under the old settings are dropped."""
     self._stop_producer()
     if depth is not None and depth != self.depth:
-      old, self.depth = self._versions, depth
-      self._versions = Versions(depth + 1, self.device)
-      for v, p in zip(old.versions, old.params()):
-        self._versions.push(v, p, copy=False)
+      self.depth = depth
+      self._versions.resize(depth + 1)
     if view is not None and view != self.view:
       self._set_view(view)
+      self._versions.reexport()  # the trainer's thread, every process: the same point of the loop
 
   @contextlib.contextmanager
   def paused(self):
@@ -246,7 +369,7 @@ class AsyncSampler:
     if self._error is not None:
       raise self._error
 
-  # --- the producer's side ---
+  # --- the producer's side: load an exported version, sample ---
 
   def _admitted(self, t: int, epoch: int) -> bool:
     """Rollout t may start: the newest published version is within the depth (both modes), and the
@@ -271,17 +394,13 @@ class AsyncSampler:
           if self._closed or epoch != self._epoch:
             return
           version = self._version_for(t)
-          params, view, engine = self._versions.get(version), self.view, self.engine
           self._busy = True
         try:
-          jax.block_until_ready(params)  # the published copy lands once the step that made it is done
-          waited = time.perf_counter() - w0
-          sample = self._produce(t, version, params, view, engine)
+          sample = self._produce(t, version, w0)
         finally:
           with self._cv:
             self._busy = False
             self._cv.notify_all()
-        sample.stats["time_producer_wait_s"] = waited
         with self._cv:
           if epoch == self._epoch and not self._closed:
             self._ready[t] = sample
@@ -292,21 +411,66 @@ class AsyncSampler:
         self._error = e
         self._cv.notify_all()
 
-  def _produce(self, t: int, version: int, params, view: EngineView, engine) -> Sample:
+  def _produce(self, t: int, version: int, w0: float | None = None) -> Sample | Pending:
+    """Rollout t from `version`: load its export (no collective), sample; in a single process also
+    the objective's inputs (the verifier runs here, off the trainer's critical path)."""
     s, clock, t0 = self.session, Clock(True), time.perf_counter()
-    with jax.default_device(self.device):
+    with self._cv:
+      update, engine = self._versions.update(version), self.engine
+    if update.params is not None:
+      jax.block_until_ready(update.params)  # the published copy lands once the step that made it is done
+    waited = time.perf_counter() - (w0 if w0 is not None else t0)
+    clock.lap("wait")
+    with self._on_engine():
       prompts, refs = step_prompts(s, self.seed, t, s.cfg.rollout.batch_size, self.group)
-      engine_params = s.engine_params(engine, view, params, version, self.seed)
-      engine.sync(engine_params, version)
-      clock.lap("time_weight_sync_s", engine_params)
-      rollout = engine.generate(prompts, s.sampling, seed=seeds.derive(self.seed, t, "sample"))
-      clock.lap("time_generate_s", rollout)
-      inputs, score = self.prepare(rollout, refs)
-      value = score()  # the verifier runs here, off the trainer's critical path
-      if self.device != self.trainer_device:
-        inputs = jax.device_put(inputs, self.trainer_device)
-      clock.lap("time_prepare_s", inputs)
-    stats = {**clock.laps, "versions": np.full(len(prompts), version)}
+      if update is not self._loaded:  # exact mode's first k rollouts share one version
+        engine.load(update)
+        self._loaded = update
+      clock.lap("time_load_s")
+      seed = seeds.derive(self.seed, t, "sample")
+      if self.spmd:
+        produced = engine.produce(prompts, s.sampling, seed)
+        clock.lap("time_generate_s")
+      else:
+        rollout = engine.generate(prompts, s.sampling, seed=seed)
+        clock.lap("time_generate_s", rollout)
+        inputs, score = self.prepare(rollout, refs)
+        value = score()
+        inputs = self._to_trainer(inputs)
+        clock.lap("time_prepare_s", inputs)
+    stats = {k: v for k, v in clock.laps.items() if k != "wait"}
+    stats["time_weight_sync_s"] = stats["time_load_s"] + update.stats.get("time_publish_export_s", 0.0)
+    stats["time_producer_wait_s"] = waited
+    stats["tags"] = server_tags(engine, version)
     if threading.current_thread() is not self._thread:
       stats["inline_s"] = time.perf_counter() - t0
+    if self.spmd:
+      return Pending(prompts, refs, produced, stats)
+    stats["versions"] = np.full(len(prompts), version)
     return Sample(rollout, refs, inputs, lambda: value, stats)
+
+  def _to_trainer(self, inputs):
+    """The objective's inputs onto the trainer's devices (rows over its mesh), device to device."""
+    if self.session.placement.sharded:
+      return self.session.placement.put_batch(inputs)
+    if self.device is not None and self.device != self.trainer_device:
+      return jax.device_put(inputs, self.trainer_device)
+    return inputs
+
+  def _on_engine(self):
+    """The JAX engine's device as the default (its prompts and keys are made there)."""
+    return jax.default_device(self.device) if self.device is not None else contextlib.nullcontext()
+
+
+@jax.jit
+def _copy_in_place(params):
+  return jax.tree.map(jnp.copy, params)
+
+
+def server_tags(engine, version: int) -> dict:
+  """Which server(s) sampled a rollout, for its record (vLLM engines; nothing for the JAX engine)."""
+  served = getattr(engine, "served", None)
+  if served:
+    return {"rollout_servers": [dict(d) for d in served]}
+  url = getattr(engine, "url", None)
+  return {"rollout_servers": [{"url": url, "version": version}]} if url else {}

@@ -188,9 +188,10 @@ def barrier(name: str) -> None:
 
 def check_multiprocess(cfg) -> None:
   """What a multi-process run cannot do yet, refused before anything starts."""
-  if cfg.rollout.async_depth:
-    raise UserError(f"rollout.async_depth={cfg.rollout.async_depth} with {jax.process_count()} processes: the"
-                    " asynchronous producer runs in one process; use rollout.async_depth=0 for multi-process runs.")
+  if cfg.rollout.async_depth and cfg.rollout.engine == "jax":  # the same error as opdjax.parallel.devices.split
+    from opdjax.parallel.devices import split
+
+    split(cfg.rollout, cfg.mesh)
   if (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, 1, 1):
     raise UserError(f"mesh data=1 fsdp=1 tensor=1 uses one device, but the run has {jax.process_count()} processes:"
                     " set the mesh over every device, e.g. --config.mesh.fsdp=-1.")

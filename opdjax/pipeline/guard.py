@@ -44,7 +44,9 @@ def load_run_budget(path: str, session) -> float:
   value = budget["budget"]
   if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
     raise UserError(f"train.budget={path}: 'budget' is {value!r}, not a KL >= 0; re-run `opdjax calibrate`.")
-  theirs, ours = budget.get("student_fingerprint"), params_fingerprint(session.student_params)
+  # host_tree: the student whole on every host (a collective with several processes: each reads the budget)
+  student = session.placement.host_tree(session.student_params)
+  theirs, ours = budget.get("student_fingerprint"), params_fingerprint(student)
   if theirs != ours:
     raise UserError(f"train.budget={path} was calibrated on another student (fingerprint {theirs}; this run's"
                     f" student is {ours}); calibrate a budget for this student (`opdjax calibrate` with this"

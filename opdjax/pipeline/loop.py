@@ -110,6 +110,7 @@ class Timing:
   def __init__(self, sample: Sample, step: int, depth: int, eval_s: float):
     self.stats, self.step, self.depth = dict(sample.stats), step, depth
     self.versions = self.stats.pop("versions", None)
+    self.tags = self.stats.pop("tags", {})  # which server sampled the rollout (vLLM)
     self.t0, self.eval0, self.t1, self.eval1 = time.perf_counter(), eval_s, None, None
 
   def end(self, eval_s: float) -> None:
@@ -120,8 +121,11 @@ class Timing:
     st = self.stats
     # Synchronous: the sampler first waits for the previous step's device work (it makes the params):
     # train time, counted in the record where it is measured.
-    train = t1 - self.t0 - (eval1 - self.eval0) + st.pop("time_step_wait_s", 0.0)
-    sampling = sum(st.get(k, 0.0) for k in ("time_weight_sync_s", "time_generate_s", "time_prepare_s"))
+    # Asynchronous: publishing the params (copy, export) and distributing the rollout are the trainer's.
+    train = (t1 - self.t0 - (eval1 - self.eval0) + st.pop("time_step_wait_s", 0.0) + st.get("time_publish_s", 0.0)
+             + st.get("time_distribute_s", 0.0))
+    sync = st.get("time_load_s", st.get("time_weight_sync_s", 0.0))  # the producer's part of the weight sync
+    sampling = sync + sum(st.get(k, 0.0) for k in ("time_generate_s", "time_prepare_s"))
     if "time_queue_wait_s" in st:  # asynchronous: each side waits only for the other
       trainer_wait, producer_wait = st["time_queue_wait_s"], st.get("time_producer_wait_s", 0.0)
     else:  # synchronous: each side waits while the other works
@@ -132,6 +136,7 @@ class Timing:
                 "idle_producer_frac": round(producer_wait / max(producer_wait + sampling, 1e-9), 4)})
     if self.versions is not None:  # over the step's sequences (one version a rollout with both engines)
       out["params_lag_max"] = int(self.step - np.min(self.versions))
+    out.update(self.tags)
     out.update(overlap_fields(out))  # overlap efficiency and busy fractions (opdjax.pipeline.overlap)
     return out
 
@@ -159,8 +164,9 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
     state = session.new_state(algo)
   if async_depth:
     trainer_device = next(iter(jax.tree.leaves(state.params)[0].devices()))
-    # Committed like the inputs the producer sends: the step compiles once, not again at step 2.
-    state = jax.device_put(state, trainer_device)
+    if not session.placement.sharded:  # (a sharded state is placed already)
+      # Committed like the inputs the producer sends: the step compiles once, not again at step 2.
+      state = jax.device_put(state, trainer_device)
     sampler = AsyncSampler(session, view, seed, group, obj.prepare, depth=async_depth, mode=async_mode, steps=steps,
                            devices=devices, trainer_device=trainer_device)
   else:

@@ -21,6 +21,7 @@ from opdjax.config.schema import Config, flat
 from opdjax.errors import Interrupted, UserError
 from opdjax.models.fetch import resolve
 from opdjax.pipeline import hooks as H
+from opdjax.pipeline.async_sampler import check_start
 from opdjax.pipeline.checkpoint import TOKENIZER_FILES, RunCheckpointer, package_versions
 from opdjax.pipeline.distributed import barrier, check_multiprocess
 from opdjax.pipeline.guard import GuardHook, load_run_budget
@@ -94,6 +95,8 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
     barrier("opdjax-out-checked")  # every process has read --out before process 0 writes into it
   session = Session(cfg, out_dir, progress)  # loads models: errors about them come before any write
   try:
+    if cfg.rollout.async_depth:  # the engine's devices and memory, before any write
+      check_start(session, cfg.rollout.devices, cfg.rollout.async_depth, EngineView.parse(cfg.rollout.view))
     budget = load_run_budget(cfg.train.budget, session) if cfg.train.budget else None
     return _train(session, out_dir, ckpt_dir, resuming, fallback, progress, budget)
   except Interrupted as e:

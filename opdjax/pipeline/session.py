@@ -14,6 +14,8 @@ import jax
 from opdjax.config.schema import Config
 from opdjax.errors import UserError
 from opdjax.models import Model, save_hf_params
+from opdjax.parallel.devices import describe_engine, engine_mesh
+from opdjax.parallel.devices import split as split_devices
 from opdjax.parallel.placement import Placement
 from opdjax.pipeline.build import load_model, make_task
 from opdjax.pipeline.heldout import HeldOut
@@ -32,21 +34,24 @@ class EnginePool:
   """Every engine of a Session, built by opdjax.rollout.factory: one JAX engine per engine-view model
   (compute dtype, KV and activation rounding) and placement, so views that differ only in weights,
   noise or lag share an engine and its compiled decode loop; with rollout.engine='vllm', one vLLM
-  engine serves every view it can realise. `device`: the asynchronous producer's own device (its
-  engines and KV caches never move between devices)."""
+  engine serves every view it can realise. `device`: where the asynchronous producer's JAX engines
+  live, one device or a Placement of their own (a mesh over `rollout.devices`): their compiled
+  decode loops and KV caches never move between devices."""
 
   def __init__(self, cfg: Config, student: Model, student_params, task, out_dir: str | None,
                placement: Placement | None = None):
     self.cfg, self.student, self.student_params, self.task, self.out_dir = cfg, student, student_params, task, out_dir
     self.placement = placement
-    self._jax: dict = {}  # device (None: the session's placement) -> EngineCache
+    self._jax: dict = {}  # device or Placement (None: the session's placement) -> EngineCache
     self._vllm: RolloutEngine | None = None
 
   def jax_cache(self, device=None) -> EngineCache:
-    """The JAX engines on the session's placement (`device` None) or on one producer device."""
+    """The JAX engines on the session's placement (`device` None), on one producer device, or on
+    the producer's own Placement."""
     if device not in self._jax:
+      placement = self.placement if device is None else device if isinstance(device, Placement) else None
       self._jax[device] = EngineCache(max_len=self.cfg.rollout.max_len, pad_id=self.task.pad_id,
-                                      eos_ids=self.task.eos_ids, placement=self.placement if device is None else None)
+                                      eos_ids=self.task.eos_ids, placement=placement)
     return self._jax[device]
 
   def get(self, view: EngineView, device=None) -> RolloutEngine:
@@ -54,8 +59,11 @@ class EnginePool:
       engine = self.jax_cache(device).get(view.model(self.student))
     else:
       if self._vllm is None:
+        # A server failing the reload probe: an error, a warning when the mismatch guard runs in warn mode.
+        warn = bool(self.cfg.train.budget) and self.cfg.train.guard == "warn"
         self._vllm = make_engine(self.cfg.rollout, self.student, self.student_params, pad_id=self.task.pad_id,
-                                 eos_ids=self.task.eos_ids, placement=self.placement, out_dir=self.out_dir)
+                                 eos_ids=self.task.eos_ids, placement=self.placement, out_dir=self.out_dir,
+                                 probe_action="warn" if warn else "error")
       engine = self._vllm
     engine.check_view(view)
     return engine
@@ -78,13 +86,23 @@ class EnginePool:
 class Session:
   def __init__(self, cfg: Config, out_dir: str | None = None, progress: bool = True):
     self.cfg, self.out_dir, self.progress = cfg, out_dir, progress
+    # An asynchronous JAX engine with devices of its own (rollout.devices): the trainer's mesh is the
+    # rest (checked before the models load).
+    trainer_devices, self.engine_devices = split_devices(cfg.rollout, cfg.mesh)
     self.task = make_task(cfg)
     self.clean_teacher, self.clean_teacher_params = load_model("teacher", cfg, self.task)
     self.student, self.student_params = load_model("student", cfg, self.task)
+    def note(trainer_mesh) -> str:  # the start-up line says where the engine samples
+      if not self.engine_devices:
+        return ""
+      mesh = engine_mesh(self.engine_devices, trainer_mesh, self.student.cfg, cfg.rollout.batch_size)
+      return describe_engine(self.engine_devices, mesh)
+
     # The mesh (cfg.mesh): student and teacher sharded by opdjax.parallel.rules; one device by default.
     self.placement = Placement.from_config(
         cfg.mesh, {"student": self.student.cfg, "teacher": self.clean_teacher.cfg},
-        {"rollout.batch_size": cfg.rollout.batch_size, "task.num_eval": len(self.task.eval_set()[0])})
+        {"rollout.batch_size": cfg.rollout.batch_size, "task.num_eval": len(self.task.eval_set()[0])},
+        devices=trainer_devices, note=note)
     self.student_params = self.placement.params(self.student_params)
     self.clean_teacher_params = self.placement.params(self.clean_teacher_params)
     self.sampling = cfg.rollout.sampling

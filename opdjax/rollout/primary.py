@@ -1,15 +1,21 @@
 """An engine that lives in process 0 only: vLLM sidecars behind a multi-process trainer.
 
 The vLLM engine exports weights and talks HTTP to its servers from one process. Behind a trainer of
-several processes, every process calls `sync` and `generate` at the same point of the same loop:
-`sync` gathers the (sharded) params onto every host, process 0 exports them to the servers;
-`generate` has process 0 sample the whole batch, broadcasts the completions (a few integers and
-log-probs a token) to every process, and each process keeps only the rows its devices hold, as a
-global array (the padding of the prompts, a pure function of the prompts, is computed everywhere).
+several processes, every process calls `export` and `distribute` at the same point of the same loop
+(the trainer's thread: both are collectives), process 0 alone `load`s and `produce`s (no
+collective: the asynchronous producer thread of process 0 may call them):
+- `export` gathers the (sharded) params onto every host, process 0 exports them for the servers;
+- `load` has process 0's servers reload an export;
+- `produce` has process 0 sample the whole batch (host arrays: tokens, mask, log-probs, version);
+- `distribute` broadcasts them (a few integers and log-probs a token) to every process, and each
+  process keeps only the rows its devices hold, as a global array (the padding of the prompts, a
+  pure function of the prompts, is computed everywhere).
+`sync` = load(export), `generate` = distribute(produce): the synchronous loop's calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -17,6 +23,16 @@ from jax.experimental import multihost_utils
 
 from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
 from opdjax.rollout.jax_engine import pad_prompts
+
+
+@dataclasses.dataclass
+class Produced:
+  """Process 0's sampled batch before it reaches the other processes (host arrays)."""
+
+  tokens: np.ndarray  # [B, N] int32
+  mask: np.ndarray  # [B, N] int32
+  logprobs: np.ndarray  # [B, N] fp32
+  version: int
 
 
 class PrimaryEngine(RolloutEngine):
@@ -43,19 +59,47 @@ class PrimaryEngine(RolloutEngine):
       self.inner.load(update)
     self._version = update.version
 
-  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Rollout:
+  @property
+  def weights_path(self) -> str | None:
+    """The export process 0's servers hold (None elsewhere)."""
+    return getattr(self.inner, "weights_path", None)
+
+  @property
+  def served(self) -> list[dict]:
+    """Process 0: which server sampled how many prompts of the last batch at which version."""
+    inner = self.inner
+    served = getattr(inner, "served", None)
+    if served:
+      return served
+    url = getattr(inner, "url", None)
+    return [{"url": url, "version": inner.params_version}] if url else []
+
+  def produce(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Produced:
+    """Process 0 only, no collective: the whole batch sampled by its engine, as host arrays."""
+    r = self.inner.generate(prompts, sampling, seed)
+    return Produced(np.asarray(r.completion_tokens, np.int32), np.asarray(r.completion_mask, np.int32),
+                    np.asarray(r.rollout_logprobs, np.float32), r.params_version)
+
+  def distribute(self, produced: Produced | None, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                 seed: int = 0) -> Rollout:
+    """Every process, the same point of the loop: process 0's `produced` (None elsewhere) broadcast;
+    each process keeps its rows of one global rollout."""
     toks, mask = pad_prompts(prompts, self.pad_id)
     b, n = len(prompts), sampling.max_new_tokens
-    if self.inner is not None:
-      r = self.inner.generate(prompts, sampling, seed)
-      out = (np.asarray(r.completion_tokens, np.int32), np.asarray(r.completion_mask, np.int32),
-             np.asarray(r.rollout_logprobs, np.float32))
+    if produced is not None:
+      out = (produced.tokens, produced.mask, produced.logprobs, np.asarray([produced.version], np.int32))
     else:  # shapes only: the broadcast sends process 0's values
-      out = (np.zeros((b, n), np.int32), np.zeros((b, n), np.int32), np.zeros((b, n), np.float32))
-    tokens, cmask, lps = (np.asarray(x) for x in multihost_utils.broadcast_one_to_all(out))
+      out = (np.zeros((b, n), np.int32), np.zeros((b, n), np.int32), np.zeros((b, n), np.float32),
+             np.zeros((1,), np.int32))
+    tokens, cmask, lps, version = (np.asarray(x) for x in multihost_utils.broadcast_one_to_all(out))
     rows = self.placement.rows(b)
     arrays = [self.placement.batch(x[rows], b) for x in (toks, mask, tokens, cmask.astype(bool), lps)]
+    self._version = int(version[0])
     return Rollout(*arrays, params_version=self._version, sampling=sampling, seed=seed)
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Rollout:
+    produced = self.produce(prompts, sampling, seed) if self.inner is not None else None
+    return self.distribute(produced, prompts, sampling, seed)
 
   def close(self) -> None:
     if self.inner is not None:
