@@ -8,6 +8,7 @@ Every error names the key and the valid choices.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import os
 import shlex
@@ -15,6 +16,11 @@ import shlex
 from opdjax.errors import UserError
 from opdjax.models.decoder import REMAT_POLICIES
 from opdjax.rollout.base import SamplingParams
+
+# Files named by the config (task.path, train.budget) are checked to exist, except while a command
+# prints commands for another machine (`opdjax launch sidecar`, the launchers' --dry-run), where the
+# paths are the cluster's (opdjax.config.resolve.paths_unchecked).
+CHECK_PATHS: contextvars.ContextVar[bool] = contextvars.ContextVar("opdjax_check_paths", default=True)
 
 ENGINES = ("jax", "vllm")
 DTYPES = ("float32", "bfloat16")
@@ -61,7 +67,7 @@ class TaskConfig:
     if self.name == "prompts":
       if not self.path:
         raise UserError("task.path is empty: task.name='prompts' needs a JSONL of prompts (or builtin:NAME).")
-      if not self.path.startswith("builtin:") and not os.path.exists(self.path):
+      if not self.path.startswith("builtin:") and CHECK_PATHS.get() and not os.path.exists(self.path):
         raise UserError(f"task.path={self.path!r} does not exist; give a JSONL file of prompts.")
 
 
@@ -79,7 +85,7 @@ class ModelConfig:
 
 
 def _check_path(role: str, path: str) -> None:
-  if path and not path.startswith("fetch:") and not os.path.isdir(path):
+  if path and not path.startswith("fetch:") and CHECK_PATHS.get() and not os.path.isdir(path):
     raise UserError(f"{role}.path={path!r} is not a folder; give a Hugging Face safetensors folder or"
                     " fetch:NAME (see `opdjax models fetch`).")
 
@@ -279,7 +285,7 @@ class TrainConfig:
     check_choice("train.on_nonfinite", self.on_nonfinite, NONFINITE)
     check_choice("train.guard", self.guard, GUARDS)
     check_positive("train.guard_window", self.guard_window)
-    if self.budget and not os.path.isfile(self.budget):
+    if self.budget and CHECK_PATHS.get() and not os.path.isfile(self.budget):
       raise UserError(f"train.budget={self.budget!r} does not exist; write one with `opdjax calibrate --out DIR`"
                       " (DIR/budget.json), or leave train.budget empty.")
     if self.guard != "warn" and not self.budget:
