@@ -73,7 +73,10 @@ def train(args, overrides) -> int:
                  overwrite=args.overwrite)
   distributed.finish()
   print(result.summary())
-  print(f"wrote {args.out}/metrics.jsonl and {args.out}/student/")
+  if result.final_step == result.start_step:
+    print(f"{args.out}/metrics.jsonl and {args.out}/student/ untouched")
+  else:
+    print(f"wrote {args.out}/metrics.jsonl and {args.out}/student/")
   return 0
 
 
@@ -252,7 +255,8 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
 def export(args, overrides) -> int:
   from opdjax.pipeline.checkpoint import export as export_run
 
-  print(export_run(args.checkpoint, args.out, args.step))
+  step = export_run(args.checkpoint, args.out, args.step)
+  print(f"wrote the student of step {step} of {args.checkpoint} to {args.out}")
   return 0
 
 

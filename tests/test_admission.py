@@ -102,7 +102,8 @@ def test_calibrate_then_admit_end_to_end(demo_cache, tmp_path, capsys, script):
     assert (out / name).stat().st_size > 0
   # Never overwritten.
   assert main(["calibrate", "--out", str(out), views, *small]) == 2
-  assert "holds no opdjax calibrate run to resume" in capsys.readouterr().err  # one --out policy for every command
+  # one --out policy for every command
+  assert "`opdjax calibrate` does not resume into a used folder" in capsys.readouterr().err
 
   cands = tmp_path / "candidates.txt"
   cands.write_text("same: clean\nfp8: weights=fp8,kv_quant=fp8_e4m3  # FP8 weights + KV\nstale: lag=2\n"

@@ -120,7 +120,7 @@ def test_nonfinite_loss(demo_cache, tmp_path, capsys, policy):
 
 
 @pytest.mark.slow
-def test_export_round_trips_through_transformers(reference, tmp_path):
+def test_export_round_trips_through_transformers(reference, tmp_path, capsys):
   import numpy as np
   import torch
   import transformers
@@ -132,7 +132,9 @@ def test_export_round_trips_through_transformers(reference, tmp_path):
   assert cli.main(["export", "--checkpoint", str(reference), "--out", str(out)]) == 0
   # The last checkpoint holds the run's final params: the same bytes the run wrote to student/.
   assert (out / "model.safetensors").read_bytes() == (reference / "student" / "model.safetensors").read_bytes()
+  assert f"wrote the student of step 8 of {reference}" in capsys.readouterr().out  # which step it wrote
   assert cli.main(["export", "--checkpoint", str(reference), "--out", str(tmp_path / "hf4"), "--step", "4"]) == 0
+  assert "wrote the student of step 4" in capsys.readouterr().out
   assert (tmp_path / "hf4" / "model.safetensors").read_bytes() != (out / "model.safetensors").read_bytes()
   model, params, meta = restore_student(str(reference), 4)
   assert meta["step"] == 4 and meta["engine"]["view"] == "lag=1" and meta["history_versions"] == [2, 3]

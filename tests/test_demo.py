@@ -30,7 +30,8 @@ def test_train_cli_student_improves(demo_cache, tmp_path, capsys):
   before = open(os.path.join(out, "metrics.jsonl")).read()
   capsys.readouterr()
   assert cli.main(args) == 0
-  assert "already complete at step 400; nothing ran" in capsys.readouterr().out
+  said = capsys.readouterr().out
+  assert "already complete at step 400; nothing ran" in said and "untouched" in said and "wrote" not in said, said
   assert open(os.path.join(out, "metrics.jsonl")).read() == before
 
 

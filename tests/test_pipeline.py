@@ -143,7 +143,7 @@ def test_refused_train_leaves_nothing_and_a_retry_is_refused_too(demo_cache, tmp
   # Every analysis command has the same policy, and --overwrite writes into the folder.
   assert cli.main(["mismatch", "--out", str(out), *SMALL, "--config.mismatch.sources=clean",
                    "--config.mismatch.warmup_steps=1", "--config.mismatch.num_prompts=4"]) == 2
-  assert "holds no opdjax mismatch run" in capsys.readouterr().err
+  assert "`opdjax mismatch` does not resume into a used folder" in capsys.readouterr().err
   assert cli.main(["mismatch", "--out", str(out), "--overwrite", *SMALL, "--config.mismatch.sources=clean",
                    "--config.mismatch.warmup_steps=1", "--config.mismatch.num_prompts=4"]) == 0
   assert (out / "mismatch.json").exists() and (out / "metrics.jsonl").read_text() == "not ours\n"

@@ -240,14 +240,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
-def export(run_dir: str, out_dir: str, step: int | None = None) -> str:
+def export(run_dir: str, out_dir: str, step: int | None = None) -> int:
   """Writes the checkpoint's student as an HF safetensors folder, with the tokenizer files the run
   used: from the run's own student/ folder (train writes them there), else the model folder of its
-  config (only when it is still on disk: nothing is fetched again)."""
+  config (only when it is still on disk: nothing is fetched again). Returns the step exported."""
   from opdjax.models import save_hf_params
   from opdjax.models.fetch import model_dir
 
   model, params, meta = restore_student(run_dir, step)
+  step = meta["step"]
   run_root = run_dir if os.path.isdir(os.path.join(run_dir, "checkpoints")) else os.path.dirname(run_dir.rstrip("/"))
   sources = [os.path.join(run_root, "student")]
   src = meta["config"].get("student", {}).get("path") or meta["config"].get("teacher", {}).get("path")
@@ -263,4 +264,4 @@ def export(run_dir: str, out_dir: str, step: int | None = None) -> str:
           extra[name] = f.read()
         break
   save_hf_params(params, model.cfg, out_dir, extra_files=extra)
-  return out_dir
+  return step

@@ -22,9 +22,11 @@ def check_out_dir(out_dir: str, command: str, overwrite: bool, own: bool = False
     raise OutDirError(f"--out {out_dir} is a file; give a folder (new or empty) for `opdjax {command}`'s outputs.")
   if own or overwrite or not os.path.isdir(out_dir) or not os.listdir(out_dir):
     return
-  raise OutDirError(f"--out {out_dir} is not empty ({', '.join(sorted(os.listdir(out_dir))[:4])}, ...) and holds"
-                    f" no opdjax {command} run to resume; pass a new --out folder, or --overwrite to write"
-                    " this command's files into it (nothing was written).")
+  listed = ", ".join(sorted(os.listdir(out_dir))[:4])
+  why = (f"holds no opdjax {command} run to resume" if command == "train"
+         else f"`opdjax {command}` does not resume into a used folder")
+  raise OutDirError(f"--out {out_dir} is not empty ({listed}, ...) and {why}; pass a new --out folder, or"
+                    " --overwrite to write this command's files into it (nothing was written).")
 
 
 def is_run_dir(out_dir: str) -> bool:
