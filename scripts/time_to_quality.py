@@ -1,16 +1,23 @@
 """Time to quality: does overlapping sampling with training (and FP8 rollouts) reach the target sooner?
 
-Runs the demo (configs/demo.py) in five configurations, `--seeds` seeds each, on one Session (every
-function compiled once, warmed up before any timed run), the runs of a seed in rotated order:
+Runs the demo (configs/demo.py) in these configurations, `--seeds` seeds each, on one Session a
+placement (every function compiled once, warmed up before any timed run), the runs of a seed in
+rotated order. Colocated (engine and trainer share every core: today's loop):
 
-  sync_fp32      rollout.async_depth=0, clean view (today's loop)
+  sync_fp32      rollout.async_depth=0, clean view
   async_k1       async_depth=1, exact mode
   async_k2       async_depth=2, exact mode
   sync_fp8       async_depth=0, weights=fp8 view
   async_k1_fp8   async_depth=1, exact mode, weights=fp8 view
 
-On CPU the process gets two host devices (JAX_NUM_CPU_DEVICES=2): the trainer trains on device 0,
-the asynchronous producer samples on device 1, one core each on a 2-core box. Held-out evaluation
+Disaggregated (rollout.placement=disaggregated: the JAX engine in a process of its own on half of the
+cores, the trainer on the rest, opdjax.rollout.jax_sidecar), the baseline async is built for:
+
+  sync_disaggregated, async_k1_disaggregated, async_k2_disaggregated (exact),
+  async_k1_bounded_disaggregated, sync_fp8_disaggregated, async_k1_fp8_disaggregated
+
+On CPU the process gets two host devices (JAX_NUM_CPU_DEVICES=2): colocated, the trainer trains on
+device 0 and the asynchronous producer samples on device 1 (XLA's threads of both on every core). Held-out evaluation
 (every --eval-every steps) pauses the producer and its seconds are left out of the wall clock, the
 same way for every configuration; the clock includes everything else (sampling, weight sync, the
 train step, host work).
@@ -21,7 +28,10 @@ steps, final quality, process CPU seconds per wall second, the median time split
 runs; per configuration medians over seeds and whether its final quality is within the seed
 tolerance of sync_fp32 (the calibration's rule: max(tolerance_sigmas * std * sqrt(2 / seeds),
 tolerance_rel * |median|)); and `speedup_async_k1` = median over seeds of sync_fp32 seconds-to-target
-/ async_k1 seconds-to-target (accuracy target), the same for the other configurations. Plus
+/ async_k1 seconds-to-target (accuracy target), the same for the other configurations;
+`speedup_async_k1_vs_sync_disaggregated` (sync_disaggregated / async_k1_disaggregated),
+`speedup_async_k1_vs_sync_colocated` (sync_fp32 / async_k1_disaggregated) and
+`overlap_efficiency_async_k1` (median over async_k1_disaggregated's steps and seeds). Plus
 OUT/time_to_quality.png: quality vs wall clock, one curve per configuration (median over seeds).
 
   python scripts/time_to_quality.py --out runs/ttq [--seeds 3] [--steps 800] [--eval-every 20]
@@ -38,15 +48,38 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "2")  # before JAX starts: a host d
 
 import numpy as np  # noqa: E402
 
-CONFIGS = {  # name: (rollout view, async depth)
-    "sync_fp32": ("clean", 0),
-    "async_k1": ("clean", 1),
-    "async_k2": ("clean", 2),
-    "sync_fp8": ("weights=fp8", 0),
-    "async_k1_fp8": ("weights=fp8", 1),
+CONFIGS = {  # name: (rollout view, async depth, async mode, rollout.placement)
+    "sync_fp32": ("clean", 0, "exact", "colocated"),
+    "async_k1": ("clean", 1, "exact", "colocated"),
+    "async_k2": ("clean", 2, "exact", "colocated"),
+    "sync_fp8": ("weights=fp8", 0, "exact", "colocated"),
+    "async_k1_fp8": ("weights=fp8", 1, "exact", "colocated"),
+    "sync_disaggregated": ("clean", 0, "exact", "disaggregated"),
+    "async_k1_disaggregated": ("clean", 1, "exact", "disaggregated"),
+    "async_k2_disaggregated": ("clean", 2, "exact", "disaggregated"),
+    "async_k1_bounded_disaggregated": ("clean", 1, "bounded", "disaggregated"),
+    "sync_fp8_disaggregated": ("weights=fp8", 0, "exact", "disaggregated"),
+    "async_k1_fp8_disaggregated": ("weights=fp8", 1, "exact", "disaggregated"),
 }
+DEFAULT = ("sync_fp32", "sync_disaggregated", "async_k1_disaggregated", "async_k2_disaggregated",
+           "async_k1_bounded_disaggregated", "sync_fp8_disaggregated", "async_k1_fp8_disaggregated")
 SPLIT = ("time_generate_s", "time_weight_sync_s", "time_prepare_s", "time_queue_wait_s", "time_producer_wait_s",
-         "time_train_s", "idle_trainer_frac", "idle_producer_frac")
+         "time_train_s", "idle_trainer_frac", "idle_producer_frac", "overlap_efficiency", "busy_producer_frac",
+         "busy_trainer_frac", "overlap_speedup_bound")
+
+
+def children_cpu_s() -> float:
+  """CPU seconds of this process's running children (a disaggregated engine's process)."""
+  tick, total, me = os.sysconf("SC_CLK_TCK"), 0.0, os.getpid()
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+      continue
+    if int(fields[1]) == me:
+      total += (int(fields[11]) + int(fields[12])) / tick
+  return total
 
 
 class Curve:
@@ -56,7 +89,7 @@ class Curve:
     self.points = []
 
   def start(self, loop):
-    self.cpu0 = time.process_time()
+    self.cpu0, self.children0 = time.process_time(), children_cpu_s()
 
   def record(self, loop, rec):
     if rec.get("eval_step") == rec["step"] or rec["step"] == 0:  # later records repeat the last evaluation
@@ -66,6 +99,7 @@ class Curve:
 
   def end(self, loop):
     self.cpu_s = time.process_time() - self.cpu0
+    self.children_cpu_s = children_cpu_s() - self.children0
 
   def __getattr__(self, name):  # the other Hook methods: nothing to do
     if name in ("ready", "after_step", "phase", "close"):
@@ -80,33 +114,37 @@ def first_reaching(points, key, target, better):
   return None
 
 
-def run_one(session, name, seed, steps, eval_every, targets):
+def run_one(sessions, name, seed, steps, eval_every, targets):
   from opdjax.pipeline.hooks import EvalHook
   from opdjax.pipeline.loop import run_loop
   from opdjax.views.view import EngineView
 
-  spec, depth = CONFIGS[name]
+  spec, depth, mode, placement = CONFIGS[name]
+  session = sessions[placement]
   curve = Curve()
   load0 = os.getloadavg()[0]
   w0 = time.time()
   loop = run_loop(session, view=EngineView.parse(spec), seed=seed, steps=steps,
-                  hooks=[EvalHook(eval_every, pause=True), curve], async_depth=depth, async_mode="exact")
+                  hooks=[EvalHook(eval_every, pause=True), curve], async_depth=depth, async_mode=mode)
   wall_total = time.time() - w0
   recs, pts = loop.records, curve.points
   final = recs[-1]
   out = {
-      "config": name, "seed": seed, "view": spec, "async_depth": depth, "curve": pts,
+      "config": name, "seed": seed, "view": spec, "async_depth": depth, "async_mode": mode, "placement": placement,
+      "curve": pts,
       "seconds_to_accuracy": first_reaching(pts, "accuracy", targets["accuracy"], lambda v, t: v >= t),
       "seconds_to_reverse_kl": first_reaching(pts, "reverse_kl", targets["reverse_kl"], lambda v, t: v <= t),
       "wall_s_at_equal_steps": pts[-1]["wall_s"], "steps": steps,
       "final_accuracy": final["accuracy"], "final_reverse_kl": final["reverse_kl"],
       "eval_s": round(loop.eval_s, 3), "process_cpu_per_wall": round(curve.cpu_s / max(wall_total, 1e-9), 3),
+      "engine_process_cpu_per_wall": round(curve.children_cpu_s / max(wall_total, 1e-9), 3),
       "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
   }
   timed = [r for r in recs[1:] if "time_train_s" in r]
   if timed:
     out["time_split_median"] = {k: float(np.median([r[k] for r in timed])) for k in SPLIT if k in timed[0]}
     out["params_lag_mean"] = float(np.mean([r["params_lag"] for r in recs[1:]]))
+    out["overlap_efficiency_steps"] = [r["overlap_efficiency"] for r in timed[2:] if "overlap_efficiency" in r]
   return out
 
 
@@ -154,7 +192,13 @@ def summarize(runs, seeds, cfg):
 
   pairs = {"async_k1": ("sync_fp32", "async_k1"), "async_k2": ("sync_fp32", "async_k2"),
            "sync_fp8": ("sync_fp32", "sync_fp8"), "async_k1_fp8": ("sync_fp32", "async_k1_fp8"),
-           "async_k1_fp8_vs_sync_fp8": ("sync_fp8", "async_k1_fp8")}
+           "async_k1_fp8_vs_sync_fp8": ("sync_fp8", "async_k1_fp8"),
+           "async_k1_vs_sync_disaggregated": ("sync_disaggregated", "async_k1_disaggregated"),
+           "async_k1_vs_sync_colocated": ("sync_fp32", "async_k1_disaggregated"),
+           "async_k2_vs_sync_disaggregated": ("sync_disaggregated", "async_k2_disaggregated"),
+           "async_k1_bounded_vs_sync_disaggregated": ("sync_disaggregated", "async_k1_bounded_disaggregated"),
+           "async_k1_fp8_vs_sync_fp8_disaggregated": ("sync_fp8_disaggregated", "async_k1_fp8_disaggregated"),
+           "sync_disaggregated_vs_sync_colocated": ("sync_fp32", "sync_disaggregated")}
   for name, (a, b) in pairs.items():
     s = speedup(a, b)
     out[f"speedup_{name}"] = None if s is None else s["median"]
@@ -163,6 +207,8 @@ def summarize(runs, seeds, cfg):
     if a in by and b in by:  # throughput alone: wall seconds at equal steps
       out[f"steps_speedup_{name}"] = float(np.median([x["wall_s_at_equal_steps"] / y["wall_s_at_equal_steps"]
                                                       for x, y in zip(by[a], by[b])]))
+  effs = [e for r in by.get("async_k1_disaggregated", []) for e in r.get("overlap_efficiency_steps", [])]
+  out["overlap_efficiency_async_k1"] = float(np.median(effs)) if effs else None
   out["reached_accuracy_target"] = {n: sum(r["seconds_to_accuracy"] is not None for r in rs) for n, rs in by.items()}
   return out
 
@@ -196,7 +242,7 @@ def main(argv=None) -> int:
   p.add_argument("--eval-every", type=int, default=20)
   p.add_argument("--target-accuracy", type=float, default=0.95)
   p.add_argument("--target-reverse-kl", type=float, default=0.1)
-  p.add_argument("--configs", default=",".join(CONFIGS))
+  p.add_argument("--configs", default=",".join(DEFAULT), help=f"of {', '.join(CONFIGS)}")
   p.add_argument("--warmup-steps", type=int, default=4)
   args = p.parse_args(argv)
 
@@ -210,26 +256,30 @@ def main(argv=None) -> int:
     p.error(f"unknown configuration {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
   cfg = resolve_config(args.config, {})
   steps = args.steps or cfg.train.steps
-  session = Session(cfg, None, progress=False)
+  placements = {CONFIGS[n][3] for n in names}
+  sessions = {pl: Session(cfg.replace(rollout={"placement": pl}), None, progress=False) for pl in sorted(placements)}
   targets = {"accuracy": args.target_accuracy, "reverse_kl": args.target_reverse_kl}
   for name in names:  # compile everything (both devices) before any timed run
-    run_one(session, name, cfg.seed, args.warmup_steps, args.eval_every, targets)
+    run_one(sessions, name, cfg.seed, args.warmup_steps, args.eval_every, targets)
   runs = []
   for s in range(args.seeds):
     order = names[s % len(names):] + names[:s % len(names)]  # load drifts: no configuration always first
     for name in order:
-      r = run_one(session, name, cfg.seed + s, steps, args.eval_every, targets)
+      r = run_one(sessions, name, cfg.seed + s, steps, args.eval_every, targets)
       runs.append(r)
       print(f"{name} seed {cfg.seed + s}: to accuracy {args.target_accuracy}: {r['seconds_to_accuracy']} s,"
             f" {steps} steps {r['wall_s_at_equal_steps']:.1f} s, final accuracy {r['final_accuracy']:.3f},"
             f" cpu/wall {r['process_cpu_per_wall']}, load {r['loadavg_1min']}", file=sys.stderr, flush=True)
-  session.close()
+  for session in sessions.values():
+    session.close()
   result = {"targets": targets, "steps": steps, "seeds": args.seeds, "eval_every": args.eval_every,
             "config": args.config, "cpu_count": os.cpu_count(), "runs": runs, **summarize(runs, args.seeds, cfg)}
   os.makedirs(args.out, exist_ok=True)
   reporting.write_json(os.path.join(args.out, "time_to_quality.json"), result)
   plot(runs, os.path.join(args.out, "time_to_quality.png"))
-  print(f"speedup_async_k1 {result['speedup_async_k1']}; speedup_async_k1_fp8 {result['speedup_async_k1_fp8']};"
+  print(f"speedup_async_k1_vs_sync_disaggregated {result['speedup_async_k1_vs_sync_disaggregated']};"
+        f" speedup_async_k1_vs_sync_colocated {result['speedup_async_k1_vs_sync_colocated']};"
+        f" overlap_efficiency_async_k1 {result['overlap_efficiency_async_k1']};"
         f" wrote {args.out}/time_to_quality.json and .png")
   return 0
 

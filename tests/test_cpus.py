@@ -53,8 +53,9 @@ def test_the_config_refuses_what_cannot_be_placed():
     _cfg(cpus="one")
   with pytest.raises(UserError, match="attached server .* leave rollout.vllm.cpus empty"):
     _cfg(cpus="1", url="http://127.0.0.1:8000")
-  with pytest.raises(UserError, match="rollout.engine='jax'.*not built yet"):
-    _cfg(engine="jax")
+  with pytest.raises(UserError, match="pins the vLLM server; with rollout.engine='jax' leave it empty"):
+    _cfg(engine="jax", cpus="1")
+  assert _cfg(engine="jax").rollout.placement == "disaggregated"  # its own process (opdjax.rollout.jax_sidecar)
   assert _cfg(cpus="1").rollout.vllm.cpus == "1"  # a valid one builds
 
 
@@ -83,6 +84,7 @@ def test_the_default_split_gives_the_server_the_upper_half_in_whole_ranks():
       [2, 3, 4, 5]
   assert cpus.core_split(_cfg(gpus="0").rollout, allowed=[0, 1]) is None  # disaggregated by its GPU
   assert cpus.core_split(_cfg("colocated").rollout, allowed=[0, 1]) is None
+  assert cpus.core_split(_cfg(engine="jax").rollout, allowed=[0, 1, 2]) == cpus.CoreSplit([2], [0, 1])
   if len(os.sched_getaffinity(0)) >= 2:  # what the factory's servers get on this machine
     r = _cfg().rollout
     assert cpus.server_config(r).vllm.cpus == cpus.format_cpus(cpus.core_split(r).server) != ""
@@ -113,6 +115,7 @@ def test_a_started_server_runs_on_its_cores_and_the_trainer_on_the_others(fake_p
     environ = open(f"/proc/{server.pid}/environ", "rb").read().split(b"\0")
     assert f"{cpus.BIND_ENV}={allowed[-1]}".encode() in environ
     assert all(a == rest for a in _threads_affinity().values())  # every trainer thread, this one included
+    assert cpus.allowed_cpus() == allowed  # what the process may use, not the trainer's pinned share
   finally:
     server.stop()
   assert os.sched_getaffinity(0) == before[str(os.getpid())]  # given back after the server stopped

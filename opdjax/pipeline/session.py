@@ -21,6 +21,7 @@ from opdjax.pipeline.build import load_model, make_task
 from opdjax.pipeline.heldout import HeldOut
 from opdjax.rollout import RolloutEngine
 from opdjax.rollout.cache import EngineCache
+from opdjax.rollout.cpus import core_split
 from opdjax.rollout.factory import make_engine
 from opdjax.scoring.mismatch import exact_kl
 from opdjax.scoring.rescore import batch_from_rollout, masked_mean
@@ -51,7 +52,8 @@ class EnginePool:
     if device not in self._jax:
       placement = self.placement if device is None else device if isinstance(device, Placement) else None
       self._jax[device] = EngineCache(max_len=self.cfg.rollout.max_len, pad_id=self.task.pad_id,
-                                      eos_ids=self.task.eos_ids, placement=placement)
+                                      eos_ids=self.task.eos_ids, placement=placement,
+                                      cores=core_split(self.cfg.rollout))  # disaggregated: its own process
     return self._jax[device]
 
   def get(self, view: EngineView, device=None) -> RolloutEngine:

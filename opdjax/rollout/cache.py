@@ -9,17 +9,27 @@ from collections.abc import Sequence
 from opdjax.models.decoder import Model
 from opdjax.rollout.factory import jax_engine
 from opdjax.rollout.jax_engine import JaxEngine
+from opdjax.rollout.jax_sidecar import JaxSidecarEngine
 
 
 class EngineCache:
-  def __init__(self, *, max_len: int, pad_id: int, eos_ids: Sequence[int], placement=None):
+  """`cores` (opdjax.rollout.cpus.CoreSplit, rollout.placement=disaggregated): each engine in a process
+  of its own on `cores.server` (opdjax.rollout.jax_sidecar), the trainer on `cores.trainer`."""
+
+  def __init__(self, *, max_len: int, pad_id: int, eos_ids: Sequence[int], placement=None, cores=None):
     self.max_len, self.pad_id, self.eos_ids, self.placement = max_len, pad_id, tuple(eos_ids), placement
+    self.cores = cores
     self._engines: dict = {}
 
-  def get(self, model: Model) -> JaxEngine:
+  def get(self, model: Model) -> JaxEngine | JaxSidecarEngine:
     if model.cfg not in self._engines:
-      self._engines[model.cfg] = jax_engine(model, max_len=self.max_len, pad_id=self.pad_id, eos_ids=self.eos_ids,
-                                            placement=self.placement)
+      if self.cores is not None:
+        self._engines[model.cfg] = JaxSidecarEngine(model.cfg, max_len=self.max_len, pad_id=self.pad_id,
+                                                    eos_ids=self.eos_ids, cpus=self.cores.server,
+                                                    trainer_cpus=self.cores.trainer)
+      else:
+        self._engines[model.cfg] = jax_engine(model, max_len=self.max_len, pad_id=self.pad_id, eos_ids=self.eos_ids,
+                                              placement=self.placement)
     return self._engines[model.cfg]
 
   def close(self) -> None:

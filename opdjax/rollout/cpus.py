@@ -1,7 +1,8 @@
 """Which cores each side runs on when the rollout engine is disaggregated (`rollout.placement`).
 
 `colocated` (the default): engine and trainer time-share every core (and device). `disaggregated`:
-the engine owns its own. For a vLLM server opdjax starts on CPU that means its cores,
+the engine owns its own. The JAX engine then runs in a process of its own on the upper half of the
+cores this process may use (opdjax.rollout.jax_sidecar). For a vLLM server opdjax starts on CPU that means its cores,
 `rollout.vllm.cpus` (a CPU list, '1' or '2-3,6'; default: the upper half of the cores this process
 may use): the server's process is started under that affinity mask (its threads and children inherit
 it) and vLLM's OpenMP threads are bound to the same cores (`VLLM_CPU_OMP_THREADS_BIND`, one list a
@@ -56,8 +57,10 @@ def format_cpus(cpus) -> str:
 
 
 def allowed_cpus() -> list[int]:
-  """The cores this process may run on (its affinity mask: taskset, SLURM, cgroups)."""
-  return sorted(os.sched_getaffinity(0))
+  """The cores this process may run on (its affinity mask: taskset, SLURM, cgroups), as it was before
+  a disaggregated engine pinned the trainer."""
+  with TRAINER.lock:
+    return list(TRAINER.before) if TRAINER.holders else sorted(os.sched_getaffinity(0))
 
 
 def _started_here(vcfg) -> bool:
@@ -82,7 +85,10 @@ def core_split(rcfg, allowed: list[int] | None = None) -> CoreSplit | None:
                     f" it needs at least 2 cores, this process may use {len(allowed)} ({format_cpus(allowed)}); give"
                     " the job more cores (taskset, SLURM --cpus-per-task) or use rollout.placement=colocated.")
   v = rcfg.vllm
-  if rcfg.engine != "vllm" or not _started_here(v) or (v.gpus and not v.cpus):
+  if rcfg.engine == "jax":  # its own process (opdjax.rollout.jax_sidecar) on the upper half
+    half = len(allowed) // 2
+    return CoreSplit(allowed[len(allowed) - half:], allowed[:len(allowed) - half])
+  if not _started_here(v) or (v.gpus and not v.cpus):
     return None
   ranks = v.num_servers * v.tensor_parallel_size
   if v.cpus:
@@ -112,15 +118,12 @@ def check_config(rcfg) -> None:
   if rcfg.placement not in PLACEMENTS:
     raise UserError(f"rollout.placement={rcfg.placement!r}; choose one of {', '.join(repr(p) for p in PLACEMENTS)}.")
   v = rcfg.vllm
-  if rcfg.placement == "disaggregated" and rcfg.engine != "vllm":
-    raise UserError("rollout.placement='disaggregated' with rollout.engine='jax': the JAX engine in the trainer's"
-                    " process shares its cores (bench/core_split.py), and a JAX engine process of its own is not"
-                    " built yet; use rollout.engine='vllm' (its server on rollout.vllm.cpus), or"
-                    " rollout.placement='colocated' (rollout.async_depth and rollout.devices still give the"
-                    " asynchronous producer a device of its own).")
   if not v.cpus:
     return
   parse_cpus(v.cpus)
+  if rcfg.engine != "vllm":
+    raise UserError(f"rollout.vllm.cpus={v.cpus!r} pins the vLLM server; with rollout.engine={rcfg.engine!r} leave it"
+                    " empty (a disaggregated JAX engine's process takes the upper half of the cores).")
   if rcfg.placement != "disaggregated":
     raise UserError(f"rollout.vllm.cpus={v.cpus!r} gives the vLLM server cores of its own: set"
                     " rollout.placement=disaggregated, or leave rollout.vllm.cpus empty.")

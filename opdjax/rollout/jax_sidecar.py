@@ -1,0 +1,250 @@
+"""The JAX engine in a process of its own, pinned to its own cores: `rollout.engine=jax` with
+`rollout.placement=disaggregated`.
+
+Why a process: two XLA:CPU host devices of one process are not two cores (bench/core_split.py: a
+device's work runs on any thread of XLA's pools), and on a TPU pod one multi-controller program
+cannot split its hosts; a second JAX program on its own cores (chips) can. The same engine protocol
+as every engine (opdjax.rollout.base): `export` (trainer thread) copies the params to host memory;
+`load` (the sampling side) writes them into one shared-memory block (/dev/shm) the sidecar reads
+straight into its device arrays, then the block is free for the next version; `generate` sends the
+prompts and gets the rollout's arrays back over a local socket (multiprocessing.connection, a
+per-engine key). The sidecar runs `JaxEngine` on the engine-view model, so it realises every view
+part the in-process engine does (packed FP8 weights arrive fake-quantized: `packed_weights=False`).
+
+`python -m opdjax.rollout.jax_sidecar` is the sidecar's side; the engine starts it (SIGTERM when the
+trainer dies) and `close()` stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing import connection, resource_tracker, shared_memory
+
+import numpy as np
+
+from opdjax.errors import UserError
+from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
+from opdjax.rollout.cpus import TRAINER
+
+ADDRESS_ENV, KEY_ENV = "OPDJAX_JAX_SIDECAR_ADDRESS", "OPDJAX_JAX_SIDECAR_KEY"
+ROLLOUT_FIELDS = ("prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask", "rollout_logprobs")
+
+
+class SidecarError(RuntimeError):
+  pass
+
+
+class JaxSidecarEngine(RolloutEngine):
+  """A JaxEngine for `model_cfg` in its own process on `cpus`; this process's threads on
+  `trainer_cpus` while it runs (opdjax.rollout.cpus)."""
+
+  capabilities = Capabilities(
+      view_parts=frozenset({"compute_dtype", "kv_quant", "act_quant", "weights", "noise_sigma", "lag"}),
+      packed_weights=False, processed_logprobs=True)
+
+  def __init__(self, model_cfg, params=None, *, max_len: int, pad_id: int, eos_ids: Sequence[int], cpus,
+               trainer_cpus, version: int = 0, startup_timeout_s: float = 600.0):
+    self.cpus, self.trainer_cpus = sorted(cpus), sorted(trainer_cpus)
+    self._version, self._shm, self._proc, self._conn = version, None, None, None
+    self._lock = threading.Lock()  # one request at a time on the socket
+    self._dir = tempfile.mkdtemp(prefix="opdjax-jax-sidecar-")
+    self.log_path = os.path.join(self._dir, "sidecar.log")
+    key = os.urandom(16)
+    listener = connection.Listener(os.path.join(self._dir, "socket"), family="AF_UNIX", authkey=key)
+    env = {**os.environ, ADDRESS_ENV: listener.address, KEY_ENV: key.hex(), "JAX_NUM_CPU_DEVICES": "1",
+           "OPDJAX_PARENT_PID": str(os.getpid())}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), env.get("PYTHONPATH", "")]))
+    TRAINER.acquire(self.trainer_cpus)
+    try:
+      # Forked under the sidecar's mask (this thread takes it just for the fork; no preexec_fn: JAX's
+      # threads make a Python-level fork unsafe), which the child and its threads inherit.
+      mask = sorted(os.sched_getaffinity(0))
+      os.sched_setaffinity(0, self.cpus)
+      try:
+        with open(self.log_path, "ab") as log:
+          self._proc = subprocess.Popen([sys.executable, "-m", __name__], env=env, stdin=subprocess.DEVNULL,
+                                        stdout=log, stderr=subprocess.STDOUT)
+      finally:
+        os.sched_setaffinity(0, mask)
+      self._conn = self._accept(listener, startup_timeout_s)
+      self._call(("init", dataclasses.asdict(model_cfg), max_len, pad_id, tuple(eos_ids)))
+      if params is not None:
+        self.sync(params, version)
+    except BaseException:
+      self.close()
+      raise
+    finally:
+      listener.close()
+
+  def _accept(self, listener, timeout_s: float):
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(listener.accept()), daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout_s
+    while t.is_alive() and time.monotonic() < deadline:
+      if self._proc.poll() is not None:
+        raise SidecarError(f"the JAX engine's process exited with code {self._proc.returncode} while starting;"
+                           f" its log {self.log_path} ends with:\n{self._log_tail()}")
+      t.join(0.2)
+    if not got:
+      raise SidecarError(f"the JAX engine's process did not connect within {timeout_s:.0f} s; see {self.log_path}.")
+    return got[0]
+
+  def _log_tail(self, lines: int = 20) -> str:
+    with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
+      return "\n".join(f.read().splitlines()[-lines:])
+    return "(no log)"
+
+  def _call(self, msg):
+    with self._lock:
+      try:
+        self._conn.send(msg)
+        reply = self._conn.recv()
+      except (EOFError, OSError) as e:
+        raise SidecarError(f"the JAX engine's process died ({e}); its log {self.log_path} ends with:\n"
+                           f"{self._log_tail()}") from None
+    if reply[0] == "error":
+      kind, text = reply[1], reply[2]
+      raise (UserError if kind == "UserError" else SidecarError)(text)
+    return reply
+
+  @property
+  def pid(self) -> int | None:
+    return None if self._proc is None else self._proc.pid
+
+  @property
+  def params_version(self) -> int:
+    return self._version
+
+  def export(self, params, version: int) -> WeightUpdate:
+    """A host copy (the next train step donates the device buffers), on the trainer's thread."""
+    import jax
+
+    t0 = time.perf_counter()
+    host = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(params))
+    return WeightUpdate(version, params=host, stats={"time_export_s": time.perf_counter() - t0})
+
+  def load(self, update: WeightUpdate) -> None:
+    import jax
+
+    t0 = time.perf_counter()
+    leaves, treedef = jax.tree.flatten(update.params)
+    leaves = [np.ascontiguousarray(x) for x in leaves]
+    layout, offset = [], 0
+    for x in leaves:
+      layout.append((offset, x.shape, x.dtype.str))
+      offset += -(-x.nbytes // 64) * 64  # 64-byte aligned
+    if self._shm is None or self._shm.size < offset:
+      self._free_shm()
+      self._shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
+    for (off, _, _), x in zip(layout, leaves):
+      np.ndarray(x.shape, x.dtype, buffer=self._shm.buf, offset=off)[...] = x
+    structure = jax.tree.unflatten(treedef, list(range(len(leaves))))  # nested dicts of leaf indices
+    self._call(("load", update.version, self._shm.name, layout, structure))
+    self._version = update.version
+    update.stats = {**update.stats, "time_reload_s": time.perf_counter() - t0}
+
+  def sync(self, params, version: int) -> None:
+    self.load(self.export(params, version))
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Rollout:
+    import jax.numpy as jnp
+
+    _, arrays, version = self._call(("generate", [list(map(int, p)) for p in prompts],
+                                     dataclasses.asdict(sampling), int(seed)))
+    return Rollout(*(jnp.asarray(arrays[k]) for k in ROLLOUT_FIELDS), params_version=version, sampling=sampling,
+                   seed=seed)
+
+  def _free_shm(self) -> None:
+    if self._shm is not None:
+      self._shm.close()
+      with contextlib.suppress(FileNotFoundError):
+        self._shm.unlink()
+      self._shm = None
+
+  def close(self) -> None:
+    if self._conn is not None:
+      with contextlib.suppress(Exception):
+        self._call(("close",))
+      self._conn.close()
+      self._conn = None
+    if self._proc is not None:
+      try:
+        self._proc.wait(10)
+      except subprocess.TimeoutExpired:
+        self._proc.kill()
+        self._proc.wait(5)
+      self._proc = None
+      TRAINER.release()
+    self._free_shm()
+    shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# --- the sidecar's side ---------------------------------------------------------------------------
+
+def _serve(conn) -> None:
+  import jax
+  import jax.numpy as jnp
+
+  from opdjax.models.config import ModelConfig
+  from opdjax.models.decoder import Model
+  from opdjax.rollout.jax_engine import JaxEngine
+
+  _, cfg, max_len, pad_id, eos_ids = conn.recv()
+  engine = JaxEngine(Model(ModelConfig(**cfg)), None, max_len=max_len, pad_id=pad_id, eos_ids=eos_ids)
+  conn.send(("ready", jax.devices()[0].platform))
+  blocks: dict[str, shared_memory.SharedMemory] = {}
+  while True:
+    msg = conn.recv()
+    try:
+      if msg[0] == "close":
+        conn.send(("closed",))
+        break
+      if msg[0] == "load":
+        _, version, name, layout, structure = msg
+        if name not in blocks:
+          blocks[name] = shared_memory.SharedMemory(name=name)
+          resource_tracker.unregister(blocks[name]._name, "shared_memory")  # the trainer owns it
+        buf = blocks[name].buf
+        leaves = [jnp.array(np.ndarray(shape, np.dtype(dt), buffer=buf, offset=off)) for off, shape, dt in layout]
+        params = jax.tree.map(lambda i, leaves=leaves: leaves[i], structure)
+        engine.sync(params, version)
+        jax.block_until_ready(engine._params)  # the block is free once this is acknowledged
+        conn.send(("loaded", version))
+      elif msg[0] == "generate":
+        _, prompts, sampling, seed = msg
+        r = engine.generate(prompts, SamplingParams(**sampling), seed=seed)
+        conn.send(("rollout", {k: np.asarray(getattr(r, k)) for k in ROLLOUT_FIELDS}, r.params_version))
+    except Exception as e:  # noqa: BLE001 -- reported to the trainer, which raises it
+      conn.send(("error", "UserError" if isinstance(e, UserError) else type(e).__name__, str(e)))
+  for b in blocks.values():
+    b.close()
+
+
+def main() -> int:
+  with contextlib.suppress(OSError, AttributeError):  # SIGTERM when the trainer dies: no orphan on its cores
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+  if os.getppid() != int(os.environ.get("OPDJAX_PARENT_PID", os.getppid())):
+    return 1  # the trainer died before the signal was armed
+  conn = connection.Client(os.environ[ADDRESS_ENV], family="AF_UNIX", authkey=bytes.fromhex(os.environ[KEY_ENV]))
+  try:
+    _serve(conn)
+  except EOFError:  # the trainer went away
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
