@@ -31,6 +31,10 @@ def resolved_config(args, overrides: dict[str, str]):
     return cfg
   for k, v in flat(cfg.to_dict()).items():
     print(f"{k} = {v!r}")
+  from opdjax.parallel.devices import describe_config
+
+  if describe_config(cfg.rollout):  # the layout the keys make: which devices the trainer's mesh gets
+    print(f"# {describe_config(cfg.rollout)}")
   return None
 
 

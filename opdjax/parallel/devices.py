@@ -103,6 +103,16 @@ def split(rcfg, mesh_cfg) -> tuple[list | None, list | None]:
   return rest, engine
 
 
+def describe_config(rcfg) -> str:
+  """What `rollout.devices` does to the layout, for --print-config ('' when it does nothing)."""
+  if not (rcfg.async_depth and rcfg.engine == "jax" and rcfg.devices):
+    return ""
+  kind, vals = parse(rcfg.devices)
+  which = f"the last {vals[0]} device(s)" if kind == "count" else f"device(s) {','.join(map(str, vals))}"
+  return (f"rollout.devices={rcfg.devices!r}: the asynchronous JAX engine samples on {which} of this host, as its"
+          " own mesh; the trainer's mesh (mesh.*) is built over the host's other devices")
+
+
 def engine_mesh(devices: list, trainer_mesh: Mesh | None, model_cfg, batch: int) -> Mesh | None:
   """The JAX engine's own mesh over `devices` (None for one device: the unsharded engine). The
   trainer's shape when the engine has as many devices (so an asynchronous run samples exactly as
