@@ -55,6 +55,12 @@ class JaxSidecarEngine(RolloutEngine):
 
   def __init__(self, model_cfg, params=None, *, max_len: int, pad_id: int, eos_ids: Sequence[int], cpus,
                trainer_cpus, version: int = 0, startup_timeout_s: float = 600.0):
+    import jax
+
+    if jax.default_backend() != "cpu":  # its own accelerators would need their own visible devices
+      raise UserError(f"rollout.placement='disaggregated' with rollout.engine='jax' runs the engine in a CPU process"
+                      f" of its own; on {jax.default_backend()} give the engine devices of its own with"
+                      " rollout.devices and rollout.async_depth (placement colocated), or use rollout.engine='vllm'.")
     self.cpus, self.trainer_cpus = sorted(cpus), sorted(trainer_cpus)
     self._version, self._shm, self._proc, self._conn = version, None, None, None
     self._lock = threading.Lock()  # one request at a time on the socket
@@ -63,7 +69,7 @@ class JaxSidecarEngine(RolloutEngine):
     key = os.urandom(16)
     listener = connection.Listener(os.path.join(self._dir, "socket"), family="AF_UNIX", authkey=key)
     env = {**os.environ, ADDRESS_ENV: listener.address, KEY_ENV: key.hex(), "JAX_NUM_CPU_DEVICES": "1",
-           "OPDJAX_PARENT_PID": str(os.getpid())}
+           "JAX_PLATFORMS": "cpu", "OPDJAX_PARENT_PID": str(os.getpid())}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))), env.get("PYTHONPATH", "")]))
     TRAINER.acquire(self.trainer_cpus)
