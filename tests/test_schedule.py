@@ -74,6 +74,7 @@ def test_recorded_splits_predict_the_other_runs_step_within_20_percent(tmp_path,
   assert {(c["costs_of"], c["predicts"]) for c in result["checks"]} == {(sync, async1), (async1, sync)}
   for c in result["checks"]:
     assert abs(c["error"]) < 0.2, c
+  assert all(abs(r["predicted"]["own_step_error"]) < 0.1 for r in result["runs"])  # the algebra on its own run
   run = {r["path"]: r for r in result["runs"]}[async1]
   assert run["costs"]["export"] == pytest.approx(costs.export, rel=0.06)  # publish split out of time_train_s
   assert run["measured"]["overlap_efficiency"] == pytest.approx(1.0)

@@ -161,6 +161,8 @@ def predict_measured(paths: list[str], k: int = 1, fp8_generate_speedup: float =
                                "async_bounded_lag_mean": simulate(costs, k, "bounded")["lag_mean"],
                                "speedup_async_over_sync": sync_step(costs) / async_step(costs, k),
                                "overlap_speedup_bound": overlap.speedup_bound(costs.producer, costs.trainer)}})
+    own = async_step(costs, k) if measured["async_depth"] else sync_step(costs)  # its own kind: the algebra alone
+    runs[-1]["predicted"]["own_step_error"] = own / measured["step_s"] - 1 if measured["step_s"] else None
   out = {"mode": "measured", "k": k, "fp8_generate_speedup": fp8_generate_speedup, "runs": runs, "checks": []}
   # Each run's costs predict the other kind's step (the same placement assumed): the validation.
   for a in runs:
@@ -193,7 +195,9 @@ def report(result: dict) -> str:
                 f"{p['speedup_async_over_sync']:.2f}; perfect overlap bound x{p['overlap_speedup_bound']:.2f}),"
                 f" bounded lag {p['async_bounded_lag_mean']:.2f}",
                 f"    measured: step {_ms(m['step_s'])}" + (f", overlap efficiency {m['overlap_efficiency']:.2f}"
-                                                            if m["overlap_efficiency"] is not None else "")]
+                                                            if m["overlap_efficiency"] is not None else "")
+                + (f"; its own kind predicted {100 * p['own_step_error']:+.0f}%" if p["own_step_error"] is not None
+                   else "")]
     for c in result["checks"]:
       lines.append(f"  {c['costs_of']}'s costs predict {c['predicts']}: {_ms(c['predicted_s'])} a step, measured"
                    f" {_ms(c['measured_s'])} ({100 * c['error']:+.0f}%)")
