@@ -8,9 +8,13 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The scripts call `opdjax`: this Python's, whether or not its environment is activated.
+PATH = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+
+
 def dry(script, *args, **env):
   p = subprocess.run(["bash", os.path.join(ROOT, "launch", script), "--dry-run", "configs/demo.py", "runs/x", *args],
-                     cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+                     cwd=ROOT, env={**os.environ, "PATH": PATH, **env}, capture_output=True, text=True, timeout=120)
   return p.returncode, [shlex.split(line) for line in p.stdout.strip().splitlines()], p.stderr
 
 
@@ -84,7 +88,7 @@ def test_readme_dry_run_example_runs_verbatim():
   block = readme.split("<!-- tests/test_launch.py runs this block verbatim -->", 1)[1]
   script = block.split("```bash\n", 1)[1].split("```", 1)[0]
   env = {k: v for k, v in os.environ.items() if k != "OPDJAX_SIDECAR_TOKEN"}
-  env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # `opdjax` of this Python
+  env["PATH"] = PATH
   p = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert p.returncode == 0, p.stderr
   lines = p.stdout.strip().splitlines()
