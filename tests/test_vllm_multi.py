@@ -19,6 +19,7 @@ from opdjax.rollout.factory import make_vllm_engine
 from opdjax.rollout.vllm import prompt_seeds
 from opdjax.rollout.vllm.client import ServerInfo, VllmError
 from opdjax.rollout.vllm.multi import MultiVllmEngine, shares
+from opdjax.rollout.weights import PROBE_PROMPT
 
 MODEL = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=128)
@@ -54,6 +55,8 @@ def stubs(tmp_path):
   servers = [StubServer(f"http://s{i}") for i in range(3)]
   params = Model(MODEL).init(jax.random.key(0))
   eng = MultiVllmEngine(servers, MODEL, pad_id=0, eos_ids=(), export_dir=str(tmp_path))
+  for s in servers:  # a stub holds what was synced: it scores the reload probe as the trainer does
+    s.score_prompt = lambda toks: [0.0] * (PROBE_PROMPT - 1) + eng.exporter.score(params).tolist()
   eng.sync(params, 1)
   yield eng, servers, params
   eng.close()

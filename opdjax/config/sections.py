@@ -149,6 +149,11 @@ class VllmConfig:
   cpu_kvcache_gib: int = 1
   extra_args: str = ""
   recipe: str = ""  # recipe.json of `opdjax sensitivity` (or its view): FP8 weights and KV (rollout.vllm.recipe)
+  # Synced weights: a folder every trainer process and server host sees ('': OUT/vllm-weights, or /dev/shm
+  # for one trainer process and its own server); after each reload a probe whose log-probs may differ
+  # from the trainer's by probe_tolerance (0: the default of the server's dtype, opdjax.rollout.weights).
+  export_dir: str = ""
+  probe_tolerance: float = 0.0
 
   @property
   def extra_argv(self) -> tuple[str, ...]:
@@ -157,6 +162,9 @@ class VllmConfig:
   def check(self):
     check_positive("rollout.vllm.tensor_parallel_size", self.tensor_parallel_size)
     check_positive("rollout.vllm.num_servers", self.num_servers)
+    if not self.probe_tolerance >= 0:
+      raise UserError(f"rollout.vllm.probe_tolerance={self.probe_tolerance}: give a log-prob difference > 0, or 0 for"
+                      " the default of the server's dtype.")
     urls = [u for u in self.urls.split(",") if u.strip()]
     if urls and (self.url or self.num_servers > 1):
       raise UserError(f"rollout.vllm.urls={self.urls!r} attaches to running servers; leave rollout.vllm.url empty and"

@@ -190,8 +190,8 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
       _phase(loop, "step", step + 1)
       loop.flush()  # step t-1's record, after step t is dispatched
       version = sample.rollout.params_version
-      loop.pending = ({"step": step + 1, "params_version": version, "params_lag": step - version}, metrics, score,
-                      timing)
+      rec = {"step": step + 1, "params_version": version, "params_lag": step - version, **sample.record}
+      loop.pending = (rec, metrics, score, timing)
       for h in loop.hooks:
         h.after_step(loop, step + 1)
       if timing is not None:

@@ -61,8 +61,11 @@ class EnginePool:
       engine = self.jax_cache(device).get(view.model(self.student))
     else:
       if self._vllm is None:
+        # A server failing the reload probe: an error, a warning when the mismatch guard runs in warn mode.
+        warn = bool(self.cfg.train.budget) and self.cfg.train.guard == "warn"
         self._vllm = make_engine(self.cfg.rollout, self.student, self.student_params, pad_id=self.task.pad_id,
-                                 eos_ids=self.task.eos_ids, placement=self.placement, out_dir=self.out_dir)
+                                 eos_ids=self.task.eos_ids, placement=self.placement, out_dir=self.out_dir,
+                                 probe_action="warn" if warn else "error")
       engine = self._vllm
     engine.check_view(view)
     return engine

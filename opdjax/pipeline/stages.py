@@ -28,13 +28,15 @@ class Sample:
   """Step t's rollout, ready for the objective. `inputs` are built from the rollout alone (no params),
   so a producer can build them off the trainer's critical path; `score()` is the verifier's score of
   the completions (None without a verifier). `stats`: seconds spent in each sampling stage (timed
-  samplers only)."""
+  samplers only). `record`: what the weight sync reports for the step's record, timed or not
+  (`WeightUpdate.stats`: export and reload seconds, `sync_probe_max_abs`)."""
 
   rollout: Rollout
   refs: list
   inputs: object
   score: Callable[[], float | None]
   stats: dict = dataclasses.field(default_factory=dict)
+  record: dict = dataclasses.field(default_factory=dict)
 
 
 def check_group(batch: int, group: int) -> None:
@@ -86,13 +88,14 @@ class Sampler:
       self.history.push(step, params)
       version, params = self.history.lagged(self.view.lag)
     engine_params = s.engine_params(self.engine, self.view, params, version, self.seed)
-    self.engine.sync(engine_params, version)
+    update = self.engine.export(engine_params, version)
+    self.engine.load(update)
     clock.lap("time_weight_sync_s", engine_params)
     rollout = self.engine.generate(prompts, s.sampling, seed=seeds.derive(self.seed, step, "sample"))
     clock.lap("time_generate_s", rollout)
     inputs, score = self.prepare(rollout, refs)
     clock.lap("time_prepare_s", inputs)
-    return Sample(rollout, refs, inputs, score, clock.laps)
+    return Sample(rollout, refs, inputs, score, clock.laps, sync_record(update.stats))
 
   def reconfigure(self, depth: int | None = None, view: EngineView | None = None) -> None:
     """The guard's backoff: a synchronous sampler can only change its view (from the next step)."""
@@ -106,6 +109,11 @@ class Sampler:
 
   def close(self) -> None:
     pass
+
+
+def sync_record(stats: dict) -> dict:
+  """A weight sync's numbers as record fields (strings, e.g. a probe warning, stay as they are)."""
+  return {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()}
 
 
 class Clock:

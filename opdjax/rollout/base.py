@@ -93,12 +93,15 @@ class WeightUpdate:
   """A params version as `RolloutEngine.export` made it ready for `load`: host-side data and device
   arrays only, so loading it needs no collective. `params`: a pytree the engine installs (the JAX
   engine); `path`: a weights folder its servers reload (vLLM); `stats`: the export's time split
-  (`time_export_s`, bytes written, ...) for the step's record."""
+  (`time_export_s`, bytes written, ...) and what `load` adds (`time_reload_s`, `sync_probe_max_abs`),
+  for the step's record; `probe`: the trainer's log-probs of the engine's probe under these params,
+  which `load` compares with each server's (opdjax.rollout.weights)."""
 
   version: int
   params: Any = None
   path: str | None = None
   stats: dict = dataclasses.field(default_factory=dict)
+  probe: Any = None
 
 
 class RolloutEngine(abc.ABC):

