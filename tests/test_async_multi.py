@@ -48,7 +48,7 @@ def run_files(tmp_path_factory, random_params):
   return d
 
 
-def _args(files, out, *extra) -> list[str]:
+def _args(files, out, extra=()) -> list[str]:
   return ["train", "--config", "configs/demo.py", "--out", str(out), f"--config.teacher.path={files / 'teacher'}",
           f"--config.student.path={files / 'student'}", "--config.rollout.engine=vllm",
           "--config.rollout.vllm.num_servers=2", "--config.rollout.async_depth=1",
@@ -58,7 +58,7 @@ def _args(files, out, *extra) -> list[str]:
           "--config.train.checkpoint_every=2", *extra]
 
 
-def _start(files, out, tmp, fault: str | None = None) -> tuple[list, list]:
+def _start(files, out, tmp, fault: str | None = None, extra=()) -> tuple[list, list]:
   port = free_port()
   procs, logs = [], [tmp / f"proc{i}.log" for i in range(2)]
   for i in range(2):
@@ -68,7 +68,7 @@ def _start(files, out, tmp, fault: str | None = None) -> tuple[list, list]:
       env["OPDJAX_FAULT"] = fault
     with open(logs[i], "w") as log:
       procs.append(subprocess.Popen(
-          [sys.executable, "-m", "opdjax.cli", *_args(files, out), "--coordinator", f"127.0.0.1:{port}",
+          [sys.executable, "-m", "opdjax.cli", *_args(files, out, extra), "--coordinator", f"127.0.0.1:{port}",
            "--num-processes", "2", "--process-id", str(i)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
   return procs, logs
 
@@ -121,3 +121,58 @@ def test_two_processes_two_servers_async_bounded_with_the_guard(run_files, tmp_p
   assert "OPD: step" in text[0] and "OPD: step" not in text[1]
   urls = {s["url"] for s in trained[0]["rollout_servers"]}
   assert not any(_answers(u) for u in urls)  # both servers stopped with the run
+
+
+def _server_pids(out) -> list[int]:
+  """The pids vLLM's API servers logged (`(APIServer pid=N)`), from OUT/vllm-*.log."""
+  import re
+
+  pids = set()
+  for log in out.glob("vllm-*.log"):
+    pids |= {int(p) for p in re.findall(r"\(APIServer pid=(\d+)\)", log.read_text())}
+  return sorted(pids)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  with open(f"/proc/{pid}/stat") as f:  # a zombie is gone but for its entry
+    return f.read().split(") ", 1)[1][0] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_sigkill_of_process_1_stops_process_0_and_its_servers_and_a_rerun_resumes(run_files, tmp_path):
+  """Exact mode this time (its kept versions are checkpointed): process 1 SIGKILLed after dispatching
+  step 4; process 0 stops within 30 s with one error line, its two vLLM servers with it; running both
+  again resumes from the last complete checkpoint and logs every step exactly once."""
+  out = tmp_path / "run"
+  exact = ["--config.rollout.async_mode=exact"]
+  procs, logs = _start(run_files, out, tmp_path, fault="step@4", extra=exact)
+  (rc0, t0), (rc1, t1) = _wait(procs, 1500)
+  text0 = logs[0].read_text()
+  assert rc1 == -9, logs[1].read_text()[-3000:]
+  assert rc0 == 3 and t0 - t1 < 30, (rc0, t0 - t1, text0[-3000:])
+  errors = [line for line in text0.splitlines() if line.startswith("opdjax: error:")]
+  assert len(errors) == 1 and errors[0].startswith("opdjax: error: process 1 of 2 stopped"), errors  # one clear line
+  assert "Traceback" not in text0, text0[-3000:]
+  pids = _server_pids(out)
+  assert len(pids) == 2, pids
+  deadline = time.time() + 30
+  while any(_alive(p) for p in pids) and time.time() < deadline:
+    time.sleep(0.5)
+  assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]  # no vLLM server outlives process 0
+  done = sorted(int(d) for d in os.listdir(out / "checkpoints" / "latest") if d.isdigit())
+  assert done and done[-1] < 4, done
+  (tmp_path / "again").mkdir()
+  procs, logs = _start(run_files, out, tmp_path / "again", extra=exact)
+  ended = _wait(procs, 1500)
+  assert [rc for rc, _ in ended] == [0, 0], logs[0].read_text()[-4000:] + logs[1].read_text()[-3000:]
+  assert f"resumed at step {done[-1]}, ran to step {STEPS}" in logs[0].read_text()
+  recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+  assert [r["step"] for r in recs] == list(range(STEPS + 1))  # every step once, none lost or doubled
+  trained = recs[1:]
+  assert [r["params_lag"] for r in trained] == [0] + [1] * (STEPS - 1)  # exact: always k behind
+  assert all(s["version"] == r["params_version"] for r in trained for s in r["rollout_servers"])

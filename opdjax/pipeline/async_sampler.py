@@ -198,6 +198,7 @@ class Pending:
   refs: list
   produced: object
   stats: dict
+  record: dict
 
 
 class AsyncSampler:
@@ -271,8 +272,9 @@ class AsyncSampler:
     return update
 
   def _release(self, update: WeightUpdate) -> None:
-    """A version dropped without the engine holding it: its exported folder goes (vLLM)."""
-    if update.path and update.path != getattr(self.engine, "weights_path", None):
+    """A version dropped without the engine holding it: its exported folder goes (vLLM; the sampling
+    process only: it alone knows which folder its servers hold)."""
+    if self.samples_here and update.path and update.path != getattr(self.engine, "weights_path", None):
       shutil.rmtree(update.path, ignore_errors=True)
 
   def __call__(self, step: int, params) -> Sample:
@@ -313,15 +315,15 @@ class AsyncSampler:
     t0, s = time.perf_counter(), self.session
     if got is None:
       prompts, refs = step_prompts(s, self.seed, step, s.cfg.rollout.batch_size, self.group)
-      stats = {}
+      stats, record = {}, {}
     else:
-      prompts, refs, stats = got.prompts, got.refs, got.stats
+      prompts, refs, stats, record = got.prompts, got.refs, got.stats, got.record
     rollout = self.engine.distribute(got.produced if got is not None else None, prompts, s.sampling,
                                      seed=seeds.derive(self.seed, step, "sample"))
     inputs, score = self.prepare(rollout, refs)
     stats = {**stats, "time_distribute_s": time.perf_counter() - t0,
              "versions": np.full(len(prompts), rollout.params_version)}
-    return Sample(rollout, refs, inputs, score, stats)
+    return Sample(rollout, refs, inputs, score, stats, record)
 
   def reconfigure(self, depth: int | None = None, view: EngineView | None = None) -> None:
     """The guard's backoff, from the next step on: rollouts made under the old settings are dropped."""
@@ -444,10 +446,13 @@ class AsyncSampler:
     stats["tags"] = server_tags(engine, version)
     if threading.current_thread() is not self._thread:
       stats["inline_s"] = time.perf_counter() - t0
+    # What the weight sync reports (export and reload seconds, the reload probe) for the step's record.
+    record = {k: round(v, 6) if isinstance(v, float) else v for k, v in update.stats.items()
+              if k != "time_publish_export_s"}
     if self.spmd:
-      return Pending(prompts, refs, produced, stats)
+      return Pending(prompts, refs, produced, stats, record)
     stats["versions"] = np.full(len(prompts), version)
-    return Sample(rollout, refs, inputs, lambda: value, stats)
+    return Sample(rollout, refs, inputs, lambda: value, stats, record)
 
   def _to_trainer(self, inputs):
     """The objective's inputs onto the trainer's devices (rows over its mesh), device to device."""

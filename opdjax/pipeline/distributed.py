@@ -99,6 +99,9 @@ def _startup_timeout(where: str, n, pid, timeout_s: float) -> None:
 
 
 def _die(message: str) -> None:
+  server = sys.modules.get("opdjax.rollout.vllm.server")  # imported if this process started any vLLM server
+  if server is not None:
+    server.kill_started()  # os._exit runs no atexit stop: the servers go first, whole process groups
   print(f"opdjax: error: {message}", file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(3)

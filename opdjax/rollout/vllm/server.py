@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 
 from opdjax.errors import UserError
@@ -44,6 +45,20 @@ _PROC = re.compile(r"^\([^)]*pid=\d+\) ")
 _RECORD = re.compile(r"^(?P<level>[A-Z]+) \d\d-\d\d [\d:]+ \[(?P<where>[^\]]+)\] ?")
 _TRACEBACK = "Traceback (most recent call last):"
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+_STARTED: weakref.WeakSet = weakref.WeakSet()  # the servers this process started and has not stopped
+
+
+def kill_started() -> None:
+  """SIGKILL to the process group of every server this process started: for a process that must end
+  now (a peer of a multi-process run died), where a graceful stop could wait on the server forever
+  (uvicorn waits for the requests the dead run left open)."""
+  for server in list(_STARTED):
+    proc = server._proc  # noqa: SLF001
+    if proc is not None and proc.poll() is None:
+      with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _free_port(host: str) -> int:
@@ -221,6 +236,7 @@ class VllmServer:
       self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)
     atexit.register(self.stop)
+    _STARTED.add(self)
     try:
       self._wait_healthy()
     except BaseException:  # Ctrl-C while loading too
@@ -250,6 +266,7 @@ class VllmServer:
     """SIGTERM to the whole process group, SIGKILL to whatever is left after `timeout_s`."""
     proc, self._proc = self._proc, None
     atexit.unregister(self.stop)
+    _STARTED.discard(self)
     if proc is None:
       return
     pgid = proc.pid  # start_new_session: the server leads its own group
