@@ -360,10 +360,13 @@ def test_a_killed_process_stops_the_other_and_the_last_checkpoint_restores(demo_
   out = tmp_path / "run"
   procs = Procs(tmp_path, out, "--config.train.steps=6", "--config.train.checkpoint_every=1", "--config.mesh.fsdp=4",
                 fault="step@4")
-  (rc0, t0), (rc1, t1) = procs.wait(900)
+  (rc0, _), (rc1, _) = procs.wait(900)
   assert rc1 == -9  # SIGKILLed after dispatching step 4
-  assert rc0 == 3 and t0 - t1 < 60, (rc0, t0 - t1, procs.log(0)[-3000:])  # no hang: out within a bounded time
-  assert "opdjax: error: process 1 of 2 stopped" in procs.log(0)
+  assert rc0 == 3, (rc0, procs.log(0)[-3000:])
+  # No hang: the watchdog saw process 1's connection drop (the kernel closes it at the SIGKILL) and
+  # stopped process 0, rather than a collective waiting for process 1 until some timeout.
+  assert ("opdjax: error: process 1 of 2 stopped; this process (process 0) stops too instead of waiting for it"
+          in procs.log(0)), procs.log(0)[-3000:]
   done = sorted(int(d) for d in os.listdir(out / "checkpoints" / "latest") if d.isdigit())
   assert done and done[-1] < 4
   p = cli_train(out, "--config.train.steps=6", "--config.train.checkpoint_every=1", "--config.mesh.fsdp=4", devices=4)
@@ -383,13 +386,14 @@ def test_processes_with_different_configs_name_the_key(tmp_path):
 
 
 def test_unreachable_coordinator_is_one_clear_error_after_a_bounded_wait(tmp_path):
-  t = time.time()
   p = cli_train(tmp_path / "run", "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2",
                 "--process-id", "1", "--coordinator-timeout", "3", devices=2, timeout=120)
   assert p.returncode == 3, p.stderr[-2000:]
+  # The bounded wait is opdjax's own, of the 3 s asked for: not JAX's initialization timeout (60 s
+  # later, an abort with a stack trace) and not the subprocess timeout above.
   assert "could not join the 2 processes through the coordinator at 127.0.0.1" in p.stderr
+  assert "within 3 s (this is process 1)" in p.stderr, p.stderr[-2000:]
   assert "Nothing answers there" in p.stderr and "Check failure" not in p.stderr
-  assert time.time() - t < 60
 
 
 def test_multiprocess_flags_go_together(capsys):
