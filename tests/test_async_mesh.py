@@ -143,3 +143,43 @@ def test_rollout_devices_is_a_count_or_a_set():
   for bad, match in (("x", "give a count"), ("2,2", "distinct device indices"), (",", "distinct device indices")):
     with pytest.raises(ConfigError, match=match):
       build(apply_overrides(default_config(), {"rollout.async_depth": "1", "rollout.devices": bad}))
+
+
+RESUME = ["--config", "configs/demo.py", "--config.task.num_eval=16", "--config.rollout.batch_size=16",
+          "--config.train.steps=8", "--config.train.checkpoint_every=2", "--config.train.eval_every=2",
+          "--config.mesh.fsdp=2"]
+
+
+def _train(out, *args, devices: int, fault: str | None = None):
+  env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "PYTHONPATH": ROOT}
+  env.pop("OPDJAX_FAULT", None)
+  if fault:
+    env["OPDJAX_FAULT"] = fault
+  return subprocess.run([sys.executable, "-m", "opdjax.cli", "train", "--out", str(out), *RESUME, *args], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=900)
+
+
+def _records(out) -> list[dict]:
+  return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["rollout@5"])
+def test_two_meshes_sigkill_then_resume_is_the_uninterrupted_lag_run(demo_cache, tmp_path, fault):
+  """The two-mesh layout SIGKILLed with a rollout in flight (the producer busy on devices 2, 3) and
+  resumed from its checkpoint: its records and student are the uninterrupted synchronous lag=1 run's
+  on a 2-device mesh, bitwise (the kept versions are checkpointed and copied back onto the engine)."""
+  ref, out = tmp_path / "ref", tmp_path / "run"
+  p = _train(ref, "--config.rollout.view=lag=1", devices=2)
+  assert p.returncode == 0, p.stderr[-3000:]
+  layout = ["--config.rollout.async_depth=1", "--config.rollout.devices=2,3"]
+  killed = _train(out, *layout, devices=4, fault=fault)
+  assert killed.returncode == -9, killed.stderr[-3000:]
+  resumed = _train(out, *layout, devices=4)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resumed at step 4" in resumed.stdout or "resumed at step 2" in resumed.stdout, resumed.stdout
+  assert (out / "student" / "model.safetensors").read_bytes() == (ref / "student" / "model.safetensors").read_bytes()
+  strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING)}  # noqa: E731
+  got, want = _records(out), _records(ref)
+  assert [r["step"] for r in got] == list(range(9))  # every step exactly once
+  assert [strip(r) for r in got] == [strip(r) for r in want]
