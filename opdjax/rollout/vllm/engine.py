@@ -37,7 +37,7 @@ from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingPa
 from opdjax.rollout.jax_engine import PromptTooLongError, pad_prompts
 from opdjax.rollout.vllm.client import ServerDown, ServerInfo, VllmClient, VllmError, error_message, http_json
 from opdjax.rollout.vllm.server import VllmServer
-from opdjax.rollout.weights import PROBE_NEW, PROBE_PROMPT, HfExporter
+from opdjax.rollout.weights import PROBE_NEW, PROBE_PROMPT, HfExporter, probe_values
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,10 @@ class VllmEngineBase(RolloutEngine):
     hold the weights it was sent (a reload that did not take, a stale prefix cache, a broken FP8 reload)."""
     t0 = time.perf_counter()
     ex = self.exporter
-    diffs = {url: float(np.max(np.abs(np.asarray(lps[PROBE_PROMPT - 1:], np.float64) - update.probe)))
-             for url, lps in self._probe_servers([int(t) for t in ex.tokens])}
+    served = self._probe_servers([int(t) for t in ex.tokens])
+    trainer = probe_values(update.probe)  # dispatched by export: computed while the servers reloaded
+    diffs = {url: float(np.max(np.abs(np.asarray(lps[PROBE_PROMPT - 1:], np.float64) - trainer)))
+             for url, lps in served}
     update.stats["sync_probe_max_abs"] = max(diffs.values())
     update.stats["time_probe_s"] = time.perf_counter() - t0
     bad = {url: d for url, d in diffs.items() if not d <= ex.tolerance}  # NaN is bad too
