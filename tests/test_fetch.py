@@ -11,7 +11,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import log_softmax
+from helpers import log_softmax, vllm_env
 
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig, load_hf_params
@@ -311,7 +311,7 @@ def test_cli_models_fetch_unknown_name(capsys):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, tmp_path, monkeypatch):
+def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, vllm_home, monkeypatch):
   """The same folder in vLLM (in-process): the answer says Paris, token for token the JAX engine's."""
   from transformers import AutoTokenizer
 
@@ -325,8 +325,8 @@ def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, tmp_pat
   model, params = opdjax_model
   sp = SamplingParams(max_new_tokens=16, temperature=0.0)
   # The engine core in this process (no child left behind to keep pytest from exiting).
-  for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}.items():
+  for k, v in {**vllm_env(vllm_home), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind"}.items():
     monkeypatch.setenv(k, v)
   engine = VllmInProcessEngine(folder, model.cfg, pad_id=tok.pad_token_id, eos_ids=(tok.eos_token_id,),
                                dtype="float32", enforce_eager=True, max_model_len=256)

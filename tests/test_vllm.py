@@ -1,19 +1,20 @@
 """The vLLM engine against the trainer's re-scoring, on a real vLLM server and on `vllm.LLM`.
 
 A tiny random Llama is written as an HF folder (nothing downloaded, no tokenizer: prompts are
-token ids). One server, started by `make_vllm_engine` as the OPD loop starts it, serves the whole
-module (about 45 s to start on 2 CPU cores); tests that need particular weights install them with
-`sync` first. The server is killed in the second-to-last test and stopped by the engine's `close()`
-in the last. Tests marked `vllm` skip when vllm is not installed, unless OPDJAX_REQUIRE_VLLM=1 (CI),
-which turns the skip into a failure. A fake server (`FAKE_SERVER`, a few lines of Python in vLLM's
-log format) tests the supervision without vLLM.
+token ids). The session's server and engine (conftest.vllm_engine, made by `make_vllm_engine` as the
+OPD loop makes them, shared with test_vllm_auth.py and test_vllm_multi.py) serve the whole module;
+tests that need particular weights install them with `sync` first. The server is killed in the last
+test and restarted by the engine; that the engine's `close()` stops it is checked when the session
+ends (the fixture's teardown). Tests marked `vllm` skip when vllm is not installed, unless
+OPDJAX_REQUIRE_VLLM=1 (CI), which turns the skip into a failure. A fake server (`FAKE_SERVER`, a few
+lines of Python in vLLM's log format) tests the supervision without vLLM.
 """
 
 import http.server
-import importlib.util
 import json
 import os
 import signal
+import socket
 import sys
 import textwrap
 import threading
@@ -25,8 +26,10 @@ import urllib.request
 import jax
 import numpy as np
 import pytest
+from helpers import VLLM_BATCH as BATCH
+from helpers import VLLM_MAX_MODEL_LEN as MAX_MODEL_LEN
+from helpers import log_softmax, top_p_keep, vllm_env
 
-from opdjax.models import Model, ModelConfig, save_hf_params
 from opdjax.rollout import PromptTooLongError, SamplingParams
 from opdjax.rollout.factory import make_vllm_engine
 from opdjax.rollout.vllm import (
@@ -40,23 +43,13 @@ from opdjax.rollout.vllm import (
 )
 from opdjax.scoring.rescore import batch_from_rollout
 
-
-def skip_without_vllm():
-  if importlib.util.find_spec("vllm") is None and os.environ.get("OPDJAX_REQUIRE_VLLM") != "1":
-    pytest.skip("vllm is not installed: `bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[vllm]'`"
-                " (GPU) runs these tests")
-
-
 PAD = 0
 N_NEW = 6
-MAX_MODEL_LEN = 128
-KEY = "opdjax-test-key"
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8], [11, 2, 30, 6, 6]]
 GREEDY = SamplingParams(max_new_tokens=N_NEW, temperature=0.0)
 TEMP1 = SamplingParams(max_new_tokens=N_NEW, temperature=1.0)
 LONG_PROMPT = [(7 * i) % 250 + 3 for i in range(40)]
 TRUNCATED = SamplingParams(max_new_tokens=N_NEW, temperature=0.7, top_k=5, top_p=0.8)
-BATCH = 64  # the factory sizes the server for batches of 64 requests of up to MAX_MODEL_LEN tokens
 MEASURED = {}
 
 
@@ -68,60 +61,36 @@ def vllm_config(**changes):
   return types.SimpleNamespace(**{**fields, **changes})
 
 
-def vllm_env(tmp):
-  """Keeps vLLM's caches out of $HOME and its CPU KV cache small (GiB)."""
-  return {"VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_CPU_KVCACHE_SPACE": "1"}
+@pytest.fixture(scope="module")
+def model(vllm_tiny):
+  return vllm_tiny[0]
 
 
 @pytest.fixture(scope="module")
-def model():
-  # head_dim 32: the smallest head size vLLM's CPU attention supports.
-  return Model(ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-                           num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
-                           max_position_embeddings=MAX_MODEL_LEN))
+def params(vllm_tiny):
+  return vllm_tiny[1]
 
 
 @pytest.fixture(scope="module")
-def params(model, random_params):
-  # Large weights: peaked, far from uniform next-token distributions.
-  return [random_params(model, seed=s, std=0.4) for s in (0, 1)]
+def model_dir(vllm_tiny):
+  return vllm_tiny[2]
 
 
 @pytest.fixture(scope="module")
-def model_dir(model, params, tmp_path_factory):
-  path = tmp_path_factory.mktemp("vllm") / "model"
-  save_hf_params(params[0], model.cfg, str(path))
-  return path
+def server(vllm_server):
+  return vllm_server
 
 
 @pytest.fixture(scope="module")
-def engine(model, params, tmp_path_factory):
-  skip_without_vllm()
-  out = tmp_path_factory.mktemp("vllm-run")
-  # Blocks of 32 tokens (CPU default: 128) so LONG_PROMPT fills a prefix-cache block.
-  vcfg = vllm_config(api_key=KEY, extra_args=("--block-size", "32"))
-  t0 = time.perf_counter()
-  eng = make_vllm_engine(vcfg, model.cfg, params[0], max_len=MAX_MODEL_LEN, batch_size=BATCH, max_new_tokens=N_NEW,
-                         pad_id=PAD, eos_ids=(), out_dir=str(out))
-  MEASURED["server_start_s"] = time.perf_counter() - t0
-  yield eng
-  eng.close()
+def engine(vllm_engine):
+  """The session's engine, which started the session's server: a server it holds that dies is restarted."""
+  yield vllm_engine
   print("\nvLLM measurements: " + ", ".join(f"{k}={v:.3g}" for k, v in MEASURED.items()))
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-  return engine.server
 
 
 @pytest.fixture(scope="module")
 def logits_fn(model):
   return jax.jit(model.apply)
-
-
-def log_softmax(z):
-  m = np.max(z, -1, keepdims=True)
-  return z - m - np.log(np.sum(np.exp(z - m), -1, keepdims=True))
 
 
 def max_abs_diff(r, ref):
@@ -349,11 +318,10 @@ def test_a_batch_of_64_long_prompts_samples_whole(engine, server, params, score)
 
 
 @pytest.mark.vllm
-def test_a_server_that_dies_while_starting_quotes_its_first_error(model_dir, tmp_path):
-  skip_without_vllm()
+def test_a_server_that_dies_while_starting_quotes_its_first_error(model_dir, vllm_home, tmp_path):
   # vLLM refuses a step budget below max_model_len once chunked prefill is off: an error of its own.
   srv = VllmServer(model_dir, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
-                   max_num_batched_tokens=16, extra_args=["--no-enable-chunked-prefill"], env=vllm_env(tmp_path),
+                   max_num_batched_tokens=16, extra_args=["--no-enable-chunked-prefill"], env=vllm_env(vllm_home),
                    log_path=str(tmp_path / "server.log"), startup_timeout_s=300)
   with pytest.raises(VllmError, match="exited with code 1 while starting") as err:
     srv.start()
@@ -361,15 +329,6 @@ def test_a_server_that_dies_while_starting_quotes_its_first_error(model_dir, tmp
   assert "ValidationError: 1 validation error for SchedulerConfig" in msg
   assert "max_num_batched_tokens (16) is smaller than max_model_len (128)" in msg
   assert not srv.running
-
-
-def top_p_keep(z, top_p):
-  """Mask of the smallest most-probable prefix of softmax(z) whose mass reaches top_p."""
-  order = np.argsort(-z, -1)
-  probs = np.exp(log_softmax(np.take_along_axis(z, order, -1)))
-  keep = np.zeros(z.shape, bool)
-  np.put_along_axis(keep, order, (np.cumsum(probs, -1) - probs) < top_p, -1)
-  return keep
 
 
 @pytest.mark.vllm
@@ -451,33 +410,49 @@ def test_prompt_too_long_for_the_server(engine):
 
 
 class StallingProxy:
-  """Forwards HTTP to `target`; the first `stalls` completion requests get no answer for `stall_s`."""
+  """Forwards HTTP to `target`. The first `stalls` completion requests get no answer: each is held
+  until the client hangs up (or `hold_s` passes). `events` records, in no guaranteed order, each
+  completion request ("completion", "answered" | "abandoned": the client hung up | "held": it did
+  not) and each forwarded /health ("health", status)."""
 
-  def __init__(self, target: str, stalls: int, stall_s: float):
-    self.target, self.stalls, self.stall_s, self.completions = target, stalls, stall_s, 0
+  def __init__(self, target: str, stalls: int, hold_s: float = 120.0):
+    self.target, self.stalls, self.hold_s, self.completions, self.events = target, stalls, hold_s, 0, []
     proxy = self
-    lock = threading.Lock()
+    self.changed = threading.Condition()
 
     class Handler(http.server.BaseHTTPRequestHandler):
       def log_message(self, *args):
         pass
 
       def do_GET(self):
-        self._forward(None)
+        status = self._forward(None)
+        if self.path == "/health":
+          proxy.record(("health", status))
 
       def do_POST(self):
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.path == "/v1/completions":
-          with lock:
-            proxy.completions += 1
-            stall = proxy.stalls > 0
-            proxy.stalls -= stall
-          if stall:
-            time.sleep(proxy.stall_s)  # the client gives up first; its retry is a new request
-            return
-        self._forward(body)
+        if self.path != "/v1/completions":
+          self._forward(body)
+          return
+        with proxy.changed:
+          proxy.completions += 1
+          stall = proxy.stalls > 0
+          proxy.stalls -= stall
+        if not stall:
+          self._forward(body)
+          proxy.record(("completion", "answered"))
+          return
+        # No answer. The client gives up at its timeout and closes the connection (EOF here); its
+        # retry is a new request.
+        self.close_connection = True
+        self.connection.settimeout(proxy.hold_s)
+        try:
+          gone = self.connection.recv(1, socket.MSG_PEEK) == b""
+        except TimeoutError:
+          gone = False
+        proxy.record(("completion", "abandoned" if gone else "held"))
 
-      def _forward(self, body):
+      def _forward(self, body) -> int:
         req = urllib.request.Request(proxy.target + self.path, data=body, method=self.command,
                                      headers={k: v for k, v in self.headers.items()
                                               if k.lower() in ("authorization", "content-type")})
@@ -490,11 +465,23 @@ class StallingProxy:
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+        return status
 
     self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     self.httpd.daemon_threads = True
     self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
     threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+  def record(self, event):
+    with self.changed:
+      self.events.append(event)
+      self.changed.notify_all()
+
+  def settle(self, n: int) -> list:
+    """The events once `n` are recorded (an unanswered request records itself after the client left)."""
+    with self.changed:
+      self.changed.wait_for(lambda: len(self.events) >= n, timeout=2 * self.hold_s)
+      return list(self.events)
 
   def close(self):
     self.httpd.shutdown()
@@ -505,29 +492,32 @@ class StallingProxy:
 def test_request_timeout_is_retried_then_a_clear_error(server, engine, model, params):
   engine.sync(params[0], 0)
   direct = engine.generate(PROMPTS, TEMP1, seed=5)
-  proxy = StallingProxy(server.url, stalls=2, stall_s=4.0)
+  proxy = StallingProxy(server.url, stalls=2)
   try:
-    with VllmEngine(proxy.url, model.cfg, pad_id=PAD, eos_ids=(), api_key=KEY, request_timeout_s=2.0,
+    with VllmEngine(proxy.url, model.cfg, pad_id=PAD, eos_ids=(), api_key=server.api_key, request_timeout_s=2.0,
                     max_retries=2) as via_proxy:
       r = via_proxy.generate(PROMPTS, TEMP1, seed=5)
       assert proxy.completions == len(PROMPTS) + 2  # two timed out, were retried, and then answered
+      events = proxy.settle(len(PROMPTS) + 2 + 2)  # + one /health after each timeout
+      assert sorted(events) == [("completion", "abandoned")] * 2 + [("completion", "answered")] * 3 + [
+          ("health", 200)] * 2
       np.testing.assert_array_equal(r.completion_tokens, direct.completion_tokens)
       np.testing.assert_allclose(r.rollout_logprobs, direct.rollout_logprobs, atol=1e-6)
-      proxy.stalls = 10**6
-      t0 = time.perf_counter()
+      proxy.stalls, proxy.events = 10**6, []
       with pytest.raises(VllmError, match="did not answer a completion request within 2.0 s, 3 times"):
         via_proxy.generate(PROMPTS[:1], TEMP1, seed=5)
-      assert 5.5 < time.perf_counter() - t0 < 15
+      # The timeout path, 1 + max_retries times: each attempt left unanswered until the client gave
+      # up on it (not cut short, not waited on past its timeout), then /health asked before the next.
+      assert sorted(proxy.settle(6)) == [("completion", "abandoned")] * 3 + [("health", 200)] * 3
   finally:
     proxy.close()
 
 
 @pytest.mark.vllm
 def test_in_process_engine_matches_rescoring_and_the_server(engine, model, model_dir, params, score, monkeypatch,
-                                                          tmp_path):
-  skip_without_vllm()
+                                                          vllm_home):
   in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-  for k, v in {**vllm_env(tmp_path), **in_process}.items():
+  for k, v in {**vllm_env(vllm_home), **in_process}.items():
     monkeypatch.setenv(k, v)
   t0 = time.perf_counter()
   # A step budget of 256 tokens: a batch larger than that goes in waves (a split prefill kills it).
@@ -558,7 +548,7 @@ def test_in_process_engine_matches_rescoring_and_the_server(engine, model, model
 def test_server_killed_mid_run_restarts_without_losing_or_doubling_a_step(server, engine, model, params, score):
   """A mini OPD loop; the server is killed while step 2's requests run. Step 2 is requested again
   from a restarted server holding step 2's weights; every step yields exactly one full rollout."""
-  attached = VllmEngine(server.url, model.cfg, pad_id=PAD, eos_ids=(), api_key=KEY)
+  attached = VllmEngine(server.url, model.cfg, pad_id=PAD, eos_ids=(), api_key=server.api_key)
   prompts = [[5 + i % 50, 9, 3] for i in range(32)]
   long_run = SamplingParams(max_new_tokens=100, temperature=1.0)
   step_params = [params[0], params[0], params[1], params[0]]  # step 2 differs from the folder vLLM started on
@@ -595,9 +585,3 @@ def test_server_killed_mid_run_restarts_without_losing_or_doubling_a_step(server
     attached.generate(PROMPTS, TEMP1)  # a server given by URL is not restarted: one clear error
   attached.close()
 
-
-@pytest.mark.vllm
-def test_close_stops_the_server_the_engine_started(engine, server):
-  assert server.running
-  engine.close()
-  assert not server.running and server.pid is None

