@@ -21,7 +21,7 @@ from opdjax.config.schema import Config, flat
 from opdjax.errors import Interrupted, UserError
 from opdjax.models.fetch import resolve
 from opdjax.pipeline import hooks as H
-from opdjax.pipeline.async_sampler import check_start
+from opdjax.pipeline.async_devices import check_start
 from opdjax.pipeline.checkpoint import TOKENIZER_FILES, RunCheckpointer, package_versions
 from opdjax.pipeline.distributed import barrier, check_multiprocess
 from opdjax.pipeline.guard import GuardHook, load_run_budget
