@@ -107,7 +107,7 @@ def reload_split(engine, path: str) -> dict:
 
 def run_model(name, cfg, params, engine, reps: int, root: str) -> dict:
   """Both paths, interleaved, `reps` times each (engine None: export side only)."""
-  from opdjax.rollout.weights import HfExporter
+  from opdjax.rollout.weights import HfExporter, probe_values
 
   exporter = engine.exporter if engine is not None else HfExporter(cfg, root, "bfloat16")
   today, new, split_today, split_new = [], [], [], []
@@ -127,6 +127,10 @@ def run_model(name, cfg, params, engine, reps: int, root: str) -> dict:
     if engine is not None:
       engine.load(u)
       split_new.append(reload_split(engine, u.path))
+    else:  # no server: wait for the trainer's probe score here (`load` reads it after the reload)
+      t = time.perf_counter()
+      probe_values(u.probe)
+      u.stats["time_probe_trainer_s"] += time.perf_counter() - t
     st = u.stats
     if i:
       new.append((st["time_export_s"], st.get("time_reload_s", 0.0), st["time_probe_trainer_s"] + st.get(

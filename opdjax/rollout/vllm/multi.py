@@ -49,7 +49,8 @@ class MultiVllmEngine(VllmEngineBase):
     first = getattr(self.engines[0], "exporter", None)  # the servers share a config: the first one's precision
     precision = (first.dtype, first.quantization) if first is not None else ("float32", "")
     super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info,
-                     precision=precision, probe_tolerance=probe_tolerance, probe_action=probe_action)
+                     precision=precision, probe_tolerance=probe_tolerance, probe_action=probe_action,
+                     untie=first is not None and first.untie)
 
   @property
   def urls(self) -> list[str]:
