@@ -9,6 +9,19 @@ import numpy as np
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def jax_compilation_cache(tmp_path_factory):
+  """One persistent JAX compilation cache for the session, this process and every `opdjax` subprocess
+  the tests start (they inherit the environment): the same train step, engine and scorer programs are
+  compiled by dozens of runs (resumed, killed, 1 vs 4 devices, in-process CLI calls), and a cached
+  executable is the one XLA compiled, so results are the same bit for bit. Fresh each session (a
+  cache never hides a compile problem); JAX_COMPILATION_CACHE_DIR set beforehand is kept."""
+  path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("jax-compilation-cache"))
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+  jax.config.update("jax_compilation_cache_dir", path)
+  return path
+
+
 @pytest.fixture
 def make_hf_model(tmp_path):
   """`make(model_type, seed, save_kw=None, **hf_config) -> (torch model, saved folder)`.

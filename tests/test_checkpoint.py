@@ -16,8 +16,11 @@ from opdjax.pipeline.checkpoint import RunCheckpointer
 pytestmark = pytest.mark.slow  # end-to-end runs killed and resumed: the full suite runs them
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A quarter of the demo's batch and 16 held-out prompts (of 256) evaluated every other step: what is
+# checked (every step once, bitwise equal records and student) does not depend on the sizes.
+SMALL = ["--config.task.num_eval=16", "--config.rollout.batch_size=16"]
 ARGS = ["--config", "configs/demo.py", "--config.train.steps=8", "--config.train.checkpoint_every=2",
-        "--config.train.eval_every=2", "--config.rollout.view=lag=1"]
+        "--config.train.eval_every=2", "--config.rollout.view=lag=1", *SMALL]
 
 
 def _records(out):
@@ -104,7 +107,7 @@ def test_resume_refusals_and_fallback(reference, tmp_path, capsys):
 @pytest.mark.parametrize("policy", ["halt", "skip"])
 def test_nonfinite_loss(demo_cache, tmp_path, capsys, policy):
   out = tmp_path / policy
-  rc = cli.main(["train", "--out", str(out), "--config", "configs/demo.py", "--config.train.steps=6",
+  rc = cli.main(["train", "--out", str(out), "--config", "configs/demo.py", *SMALL, "--config.train.steps=6",
                  "--config.train.checkpoint_every=1", "--config.optim.learning_rate=1e30",
                  "--config.optim.warmup_steps=1", f"--config.train.on_nonfinite={policy}"])
   recs = _records(out)
@@ -217,7 +220,7 @@ def test_full_disk_fails_loudly_and_keeps_earlier_checkpoints(demo_cache, tmp_pa
     pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
   try:
     out = disk / "run"
-    rc = cli.main(["train", "--out", str(out), "--config", "configs/demo.py", "--config.train.steps=200",
+    rc = cli.main(["train", "--out", str(out), "--config", "configs/demo.py", *SMALL, "--config.train.steps=200",
                    "--config.train.checkpoint_every=1", "--config.train.keep_checkpoints=50",
                    "--config.train.best_metric="])
     assert rc != 0
@@ -235,7 +238,7 @@ def test_best_and_latest_share_the_storage_of_a_step_they_both_hold(demo_cache, 
   import orbax.checkpoint as ocp
 
   out = tmp_path / "run"  # latest keeps every step, so it holds best's
-  assert cli.main(["train", "--out", str(out), "--config", "configs/demo.py", "--config.train.steps=2",
+  assert cli.main(["train", "--out", str(out), "--config", "configs/demo.py", *SMALL, "--config.train.steps=2",
                    "--config.train.checkpoint_every=1", "--config.train.keep_checkpoints=3"]) == 0
   root = out / "checkpoints"
   best = sorted(int(d) for d in os.listdir(root / "best") if d.isdigit())

@@ -179,7 +179,10 @@ def test_sharded_engine_samples_the_single_device_tokens():
 # --- the CLI on 1 device vs 1 process x 4 devices ---
 
 STEPS = 5
-TRAIN = ["train", "--config", "configs/demo.py", f"--config.train.steps={STEPS}"]
+# A quarter of the demo's batch (16: a multiple of every mesh here) and 16 held-out prompts (of 256): the
+# runs compared are the same sizes on either side, so the parity checks do not depend on them.
+TRAIN = ["train", "--config", "configs/demo.py", f"--config.train.steps={STEPS}", "--config.task.num_eval=16",
+         "--config.rollout.batch_size=16"]
 
 
 def cli_train(out, *extra, devices: int = 1, env=None, timeout: int = 900, **popen):
