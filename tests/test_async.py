@@ -281,6 +281,7 @@ def fingerprint(session):
   return params_fingerprint(session.student_params)
 
 
+@pytest.mark.slow
 def test_budgets_that_do_not_fit_the_run_are_refused_before_anything_is_written(demo_cache, tmp_path, capsys,
                                                                                  fingerprint):
   bad = tmp_path / "bad.json"

@@ -5,6 +5,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -22,6 +24,7 @@ def _opt(cmd, flag):
   return cmd[cmd.index(flag) + 1]
 
 
+@pytest.mark.slow
 def test_slurm_trainer_node_and_a_node_of_sidecars():
   rc, cmds, err = dry("slurm_multinode.sh", NODES="gpu-a gpu-b", VLLM_NODES="1", VLLM_TP="2", GPUS_PER_NODE="8",
                       VLLM_MODEL="/models/q3-1.7b")
@@ -55,6 +58,7 @@ def test_slurm_multi_process_trainer_without_sidecars():
   assert "CUDA_VISIBLE_DEVICES=$SLURM_LOCALID" in cmds[0][-1]
 
 
+@pytest.mark.slow
 def test_slurm_sidecars_on_a_share_of_every_trainer_node():
   rc, cmds, err = dry("slurm_multinode.sh", NODES="a b", GPUS_PER_NODE="8", VLLM_GPUS_PER_NODE="2", VLLM_MODEL="/m")
   assert rc == 0, err
@@ -82,6 +86,7 @@ def test_local_split_between_trainer_and_sidecars():
   assert rc == 2 and "leaves no GPU of 4 for the trainer" in err
 
 
+@pytest.mark.slow
 def test_readme_dry_run_example_runs_verbatim():
   """The README's worked example, as a reader would paste it, runs and prints the job's commands."""
   readme = open(os.path.join(ROOT, "README.md")).read()

@@ -94,6 +94,7 @@ def _prefill_then_decode(model, params, tokens, mask, positions, prefill, slots,
   return np.concatenate(steps, axis=1)
 
 
+@pytest.mark.slow
 def test_fused_attention_matches_the_einsum_path(random_params, einsum_reference, monkeypatch):
   """fp32, GQA, left padding: a full forward and a prefill + decode with a cache (decode windows of
   4, 8 and 13 slots over a 13-slot cache) equal the einsum over the whole cache."""
@@ -145,6 +146,7 @@ def test_a_decode_step_reads_only_its_window(monkeypatch):
   assert _switch_windows(Model(_cfg(num_heads=6)), 40) == [{8}, {16}, {32}, {40}]  # G = 3: q is no [B, S, K, E]
 
 
+@pytest.mark.slow
 def test_engine_recovers_from_a_cache_a_diverged_call_left_nan(random_params):
   """The engine reuses (donates) its cache across calls. After a call that left NaN in every slot,
   the next call samples exactly what a fresh engine samples; fed straight to a decode step, the
@@ -256,6 +258,7 @@ def _fp8_models():
   return Model(cfg.replace(act_quant="fp8_e4m3", fp8_matmul=True)), Model(cfg.replace(act_quant="fp8_e4m3"))
 
 
+@pytest.mark.slow
 def test_fp8_matmul_engine_matches_the_fake_quant_w8a8_engine(random_params):
   fp8, fake_model = _fp8_models()
   params = random_params(fp8, seed=4, std=0.4)
