@@ -95,3 +95,27 @@ def test_the_loop_disaggregated_trains_on_the_colocated_loops_rollouts(demo_cach
   finally:
     session.close()
   assert [r["loss"] for r in loop.records] == pytest.approx([r["loss"] for r in want], rel=1e-6)
+
+
+def test_async_disaggregated_samples_in_the_sidecar_as_the_lag_run_does(demo_cache):
+  """Async k=1 exact with the engine in its own process: the producer uses the session's sidecar (no
+  device copy of each version in the trainer's process) and trains as the synchronous lag=1 run."""
+  from opdjax.config.schema import Config
+  from opdjax.pipeline.loop import run_loop
+  from opdjax.pipeline.session import Session
+
+  base = Config().replace(task={"num_eval": 16}, rollout={"batch_size": 16, "placement": "disaggregated"})
+  session = Session(base.replace(rollout={"view": "lag=1"}), None, progress=False)
+  try:
+    want = run_loop(session, steps=4).records
+  finally:
+    session.close()
+  session = Session(base, None, progress=False)
+  try:
+    loop = run_loop(session, steps=4, async_depth=1)
+    sampler = loop.sampler
+    assert sampler.device is None and isinstance(sampler.engine, JaxSidecarEngine)
+    assert sampler.engine is session.engines.get(loop.view)
+  finally:
+    session.close()
+  assert [r["loss"] for r in loop.records] == pytest.approx([r["loss"] for r in want], rel=1e-6)

@@ -57,6 +57,11 @@ def engine_side(session: Session, spec: str) -> EngineSide | None:
   processes), checked against the trainer's: they may not overlap it, nor be missing on this host."""
   if session.cfg.rollout.engine != "jax":
     return None
+  if session.cfg.rollout.placement == "disaggregated":
+    # The JAX engine in a process of its own (opdjax.rollout.jax_sidecar): its export copies each
+    # version to host memory, so the producer needs no device of this process (a device copy onto
+    # one would be a second copy of every version, on the trainer's cores).
+    return None
   trainer = session.placement.devices or [jax.devices()[0]]
   local = jax.local_devices(backend=trainer[0].platform)
   if not spec:
