@@ -11,7 +11,8 @@ rotated order. Colocated (engine and trainer share every core: today's loop):
   async_k1_fp8   async_depth=1, exact mode, weights=fp8 view
 
 Disaggregated (rollout.placement=disaggregated: the JAX engine in a process of its own on half of the
-cores, the trainer on the rest, opdjax.rollout.jax_sidecar), the baseline async is built for:
+cores, the trainer on the rest, opdjax.rollout.jax_sidecar), the baseline async is built for (run after
+every colocated run, in a session of their own: the engine's process pins the trainer's threads):
 
   sync_disaggregated, async_k1_disaggregated, async_k2_disaggregated (exact),
   async_k1_bounded_disaggregated, sync_fp8_disaggregated, async_k1_fp8_disaggregated
@@ -139,6 +140,7 @@ def run_one(sessions, name, seed, steps, eval_every, targets):
       "eval_s": round(loop.eval_s, 3), "process_cpu_per_wall": round(curve.cpu_s / max(wall_total, 1e-9), 3),
       "engine_process_cpu_per_wall": round(curve.children_cpu_s / max(wall_total, 1e-9), 3),
       "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
+      "trainer_cpus": sorted(os.sched_getaffinity(0)),  # this thread's cores at the end (pinned when disaggregated)
   }
   timed = [r for r in recs[1:] if "time_train_s" in r]
   if timed:
@@ -256,22 +258,30 @@ def main(argv=None) -> int:
     p.error(f"unknown configuration {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
   cfg = resolve_config(args.config, {})
   steps = args.steps or cfg.train.steps
-  placements = {CONFIGS[n][3] for n in names}
-  sessions = {pl: Session(cfg.replace(rollout={"placement": pl}), None, progress=False) for pl in sorted(placements)}
   targets = {"accuracy": args.target_accuracy, "reverse_kl": args.target_reverse_kl}
-  for name in names:  # compile everything (both devices) before any timed run
-    run_one(sessions, name, cfg.seed, args.warmup_steps, args.eval_every, targets)
   runs = []
-  for s in range(args.seeds):
-    order = names[s % len(names):] + names[:s % len(names)]  # load drifts: no configuration always first
-    for name in order:
-      r = run_one(sessions, name, cfg.seed + s, steps, args.eval_every, targets)
-      runs.append(r)
-      print(f"{name} seed {cfg.seed + s}: to accuracy {args.target_accuracy}: {r['seconds_to_accuracy']} s,"
-            f" {steps} steps {r['wall_s_at_equal_steps']:.1f} s, final accuracy {r['final_accuracy']:.3f},"
-            f" cpu/wall {r['process_cpu_per_wall']}, load {r['loadavg_1min']}", file=sys.stderr, flush=True)
-  for session in sessions.values():
-    session.close()
+  # One placement at a time, colocated first: a disaggregated engine's process pins this process's
+  # threads to the trainer's cores while it lives (opdjax.rollout.cpus), which a colocated run must not
+  # inherit. Within a placement, every function is compiled (warm-up runs) before any timed run.
+  for placement in ("colocated", "disaggregated"):
+    group = [n for n in names if CONFIGS[n][3] == placement]
+    if not group:
+      continue
+    sessions = {placement: Session(cfg.replace(rollout={"placement": placement}), None, progress=False)}
+    try:
+      for name in group:
+        run_one(sessions, name, cfg.seed, args.warmup_steps, args.eval_every, targets)
+      for s in range(args.seeds):
+        order = group[s % len(group):] + group[:s % len(group)]  # load drifts: no configuration always first
+        for name in order:
+          r = run_one(sessions, name, cfg.seed + s, steps, args.eval_every, targets)
+          runs.append(r)
+          print(f"{name} seed {cfg.seed + s}: to accuracy {args.target_accuracy}: {r['seconds_to_accuracy']} s,"
+                f" {steps} steps {r['wall_s_at_equal_steps']:.1f} s, final accuracy {r['final_accuracy']:.3f},"
+                f" cpu/wall {r['process_cpu_per_wall']} (+ engine process {r['engine_process_cpu_per_wall']}),"
+                f" trainer cores {r['trainer_cpus']}, load {r['loadavg_1min']}", file=sys.stderr, flush=True)
+    finally:
+      sessions[placement].close()
   result = {"targets": targets, "steps": steps, "seeds": args.seeds, "eval_every": args.eval_every,
             "config": args.config, "cpu_count": os.cpu_count(), "runs": runs, **summarize(runs, args.seeds, cfg)}
   os.makedirs(args.out, exist_ok=True)

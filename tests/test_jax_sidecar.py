@@ -116,6 +116,8 @@ def test_async_disaggregated_samples_in_the_sidecar_as_the_lag_run_does(demo_cac
     sampler = loop.sampler
     assert sampler.device is None and isinstance(sampler.engine, JaxSidecarEngine)
     assert sampler.engine is session.engines.get(loop.view)
+    # The producer thread ran on the engine's cores, the trainer's threads on theirs.
+    assert sampler.producer_cpus == sampler.engine.cpus and not set(sampler.engine.cpus) & os.sched_getaffinity(0)
   finally:
     session.close()
   assert [r["loss"] for r in loop.records] == pytest.approx([r["loss"] for r in want], rel=1e-6)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import shutil
 import sys
 import threading
@@ -299,6 +300,10 @@ class AsyncSampler:
 
   def _run(self, t: int, epoch: int) -> None:
     try:
+      cpus = getattr(self.engine, "cpus", None)
+      if cpus:  # an engine on cores of its own (disaggregated): its host work (loads, inputs) goes there too
+        os.sched_setaffinity(0, cpus)
+      self.producer_cpus = sorted(os.sched_getaffinity(0))
       while t < self.steps:
         w0 = time.perf_counter()
         with self._cv:

@@ -18,7 +18,15 @@ from opdjax.tasks.prompts import PromptsTask
 
 def make_task(cfg):
   if cfg.task.name == "addition":
-    return AdditionTask(cfg.task.max_digits, num_eval=cfg.task.num_eval)
+    task = AdditionTask(cfg.task.max_digits, num_eval=cfg.task.num_eval, answer_format=cfg.task.answer)
+    total = task.max_prompt_tokens + task.max_answer_tokens
+    if task.answer_format == "worked" and (cfg.rollout.max_new_tokens < task.max_answer_tokens
+                                           or cfg.rollout.max_len < total):
+      raise UserError(f"task.answer={cfg.task.answer!r} with task.max_digits={cfg.task.max_digits} has answers of up"
+                      f" to {task.max_answer_tokens} tokens after prompts of up to {task.max_prompt_tokens}: give"
+                      f" rollout.max_new_tokens >= {task.max_answer_tokens} and rollout.max_len >= {total} (now"
+                      f" {cfg.rollout.max_new_tokens} and {cfg.rollout.max_len}).")
+    return task
   if cfg.task.name == "prompts":
     if not cfg.teacher.path:
       raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")

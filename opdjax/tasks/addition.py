@@ -2,7 +2,13 @@
 
 A prompt is `<bos>a+b=`; the answer is the digits of a + b written
 least-significant first (so every carry is known when its digit is written),
-then `<eos>`. Small enough to train a teacher on 2 CPU cores in a minute, hard
+then `<eos>`. `answer='worked'` writes the column sums first, as a worked
+solution would: per digit position (least-significant first) the digit of a,
+the digit of b, the carry in and the digit out, then `=`, the reversed sum and
+`<eos>` (47+85: `7502` `4813` `=231`). Its answers are ~3x longer for the same
+prompts, so sampling is a larger share of a step (as in OPD of reasoning
+models, whose responses are thousands of tokens); the verifier still checks
+the whole answer. Small enough to train a teacher on 2 CPU cores in a minute, hard
 enough that a smaller student is measurably worse.
 """
 
@@ -31,13 +37,23 @@ class CharTokenizer:
     return "".join(_CHARS[i - 3] for i in ids if 3 <= i < 3 + len(_CHARS))
 
 
+ANSWERS = ("sum", "worked")
+
+
 @dataclasses.dataclass(frozen=True)
 class AdditionTask:
   max_digits: int = 3
   tokenizer: CharTokenizer = dataclasses.field(default_factory=CharTokenizer)
+  answer_format: str = "sum"
+
+  def __post_init__(self):
+    if self.answer_format not in ANSWERS:
+      raise ValueError(f"answer_format={self.answer_format!r}; choose one of {ANSWERS}")
 
   @property
   def max_answer_tokens(self) -> int:
+    if self.answer_format == "worked":  # 4 a column, '=', the sum with its carry digit, <eos>
+      return 5 * self.max_digits + 3
     return self.max_digits + 2  # one carry digit and <eos>
 
   @property
@@ -54,13 +70,23 @@ class AdditionTask:
     return [BOS] + self.tokenizer.encode(f"{a}+{b}=")
 
   def answer(self, a: int, b: int) -> list[int]:
-    return self.tokenizer.encode(str(a + b)[::-1]) + [EOS]
+    total = str(a + b)[::-1]
+    if self.answer_format == "worked":
+      da, db = str(a)[::-1], str(b)[::-1]
+      work, carry = [], 0
+      for i in range(max(len(da), len(db))):
+        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+        work.append(f"{x}{y}{carry}{(x + y + carry) % 10}")
+        carry = (x + y + carry) // 10
+      total = "".join(work) + "=" + total
+    return self.tokenizer.encode(total) + [EOS]
 
   def prompts(self, pairs: np.ndarray) -> list[list[int]]:
     return [self.prompt(int(a), int(b)) for a, b in pairs]
 
   def is_correct(self, pair, completion: list[int]) -> bool:
-    """Exact verifier: the completion must be the reversed sum followed by <eos>."""
+    """Exact verifier: the completion must be the answer (the reversed sum, worked: with its column
+    sums first) followed by <eos>."""
     return list(completion) == self.answer(int(pair[0]), int(pair[1]))
 
   def accuracy(self, pairs: np.ndarray, completions: list[list[int]]) -> float:

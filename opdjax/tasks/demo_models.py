@@ -85,9 +85,11 @@ def sft(model: Model, task: AdditionTask, steps: int, batch_size: int, lr: float
 def cached_sft_model(role: str, mc: ml_collections.ConfigDict, task: AdditionTask, seed: int):
   """Loads the demo model for `role` from the cache, training and caching it first if absent."""
   cfg = demo_model_config(mc.hidden_size, mc.num_layers, mc.num_heads)
-  key = json.dumps({"v": _CACHE_FORMAT, "cfg": cfg.to_hf_dict(), "digits": task.max_digits,
-                    "steps": mc.sft_steps, "batch": mc.sft_batch, "lr": mc.sft_lr, "seed": seed},
-                   sort_keys=True)
+  key = {"v": _CACHE_FORMAT, "cfg": cfg.to_hf_dict(), "digits": task.max_digits,
+         "steps": mc.sft_steps, "batch": mc.sft_batch, "lr": mc.sft_lr, "seed": seed}
+  if task.answer_format != "sum":  # (the sum's cache keys stay those of every cache already built)
+    key["answer"] = task.answer_format
+  key = json.dumps(key, sort_keys=True)
   path = os.path.join(cache_root(), "demo", f"{role}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
   if not os.path.exists(os.path.join(path, "config.json")):
     params = sft(Model(cfg), task, mc.sft_steps, mc.sft_batch, mc.sft_lr, seed,
