@@ -7,18 +7,25 @@
 #   sbatch --nodes=2 --gpus-per-node=8 launch/slurm_multinode.sh CONFIG OUT [--config.key=value ...]
 #   launch/slurm_multinode.sh --dry-run CONFIG OUT [...]   # print the commands, run nothing
 #
+# The asynchronous layout (README "Running on a cluster"): VLLM_GPUS_PER_NODE=2 on 2 x 8 GPUs runs the
+# trainer on GPUs 0-5 of both nodes (mesh data=2 across the nodes, fsdp=6 within each) and 4 vLLM sidecars
+# on GPUs 6-7; rollout.async_depth / async_mode, rollout.vllm.recipe (the sidecars' FP8 flags) and
+# train.budget / train.guard are --config flags, passed to the trainer and to `opdjax launch sidecar`.
+#
 # Layout, from the environment:
 #   TRAINER_PER=node|gpu   one trainer process per node driving all its trainer GPUs (default), or one per GPU
 #   VLLM_NODES=k           the last k nodes run only vLLM sidecars (default 0)
 #   VLLM_GPUS_PER_NODE=g   GPUs per node for sidecars: on the VLLM_NODES (default: all of theirs), or, with
 #                          VLLM_NODES=0, the last g GPUs of every node (default 0: no sidecars)
 #   VLLM_TP=t              tensor-parallel size of each sidecar (default 1): g / t sidecars per node
-#   VLLM_MODEL=DIR         the weights the sidecars start from (default: --config.student.path=... given)
+#   VLLM_MODEL=DIR         the weights the sidecars start from (default: the config's student.path)
 #   VLLM_PORT=8100         first sidecar port on a node; VLLM_ARGS: more `vllm serve` flags
 #   COORD_PORT=8476        the jax.distributed coordinator's port
 #   GPUS_PER_NODE          default: $SLURM_GPUS_ON_NODE, else 8
 #   NODES                  the node names (default: $SLURM_JOB_NODELIST expanded; for --dry-run: node0 node1 ...)
 #   NUM_NODES              default: $SLURM_JOB_NUM_NODES, else 2 for --dry-run
+# The trainer's mesh: the config's when it sets one (mesh.* not all 1), else data = trainer nodes, fsdp =
+# trainer GPUs of a node (FSDP's gathers stay on a node's NVLink, only the data axis crosses nodes).
 # With sidecars and several trainer processes, process 0 drives the sidecars and hands every process its rows.
 # Sidecars bind 0.0.0.0, so every route of theirs (vLLM's dev routes included) checks a per-job token:
 # OPDJAX_SIDECAR_TOKEN (made here unless already set), which reaches sidecars and trainer through the
@@ -35,8 +42,8 @@ set -euo pipefail
 dry=0
 if [[ "${1:-}" == "--dry-run" ]]; then
   dry=1; shift
-  echo "slurm_multinode.sh: dry run: prints the commands, starts nothing; files named for the cluster (task.path," \
-       "model folders, the output folder) are not checked here" >&2
+  echo "slurm_multinode.sh: dry run: prints the commands, starts nothing, needs no GPU; files named for the cluster" \
+       "(task.path, model folders, train.budget, the output folder) are not checked here" >&2
 fi
 config=${1:?usage: slurm_multinode.sh [--dry-run] CONFIG OUT_DIR [--config.key=value ...]}
 out=${2:?usage: slurm_multinode.sh [--dry-run] CONFIG OUT_DIR [--config.key=value ...]}
@@ -60,6 +67,7 @@ vllm_port=${VLLM_PORT:-8100}
 coord_port=${COORD_PORT:-8476}
 
 die() { echo "slurm_multinode.sh: $*" >&2; exit 2; }
+note() { echo "slurm_multinode.sh: $*" >&2; }
 [[ "$trainer_per" == node || "$trainer_per" == gpu ]] || die "TRAINER_PER=$trainer_per: give node or gpu."
 (( vllm_nodes < num_nodes )) || die "VLLM_NODES=$vllm_nodes leaves no trainer node of $num_nodes."
 (( vllm_gpus <= gpus )) || die "VLLM_GPUS_PER_NODE=$vllm_gpus exceeds the $gpus GPUs of a node."
@@ -78,12 +86,6 @@ nproc=$(( ${#trainer_nodes[@]} * per_node ))
 trainer_visible=$(seq -s, 0 $((trainer_gpus - 1)))
 first_vllm=$(( vllm_nodes > 0 ? 0 : trainer_gpus ))
 
-model=${VLLM_MODEL:-}
-if [[ -z "$model" ]]; then
-  for a in "$@"; do [[ "$a" == --config.student.path=* ]] && model=${a#--config.student.path=}; done
-fi
-(( ${#sidecar_nodes[@]} == 0 )) || [[ -n "$model" ]] || die "sidecars need VLLM_MODEL=DIR or --config.student.path=DIR."
-
 run() {  # prints the command; runs it (in the background with &) unless --dry-run
   if (( dry )); then printf '%q ' "$@"; echo; else "$@"; fi
 }
@@ -99,24 +101,82 @@ root=${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
 cd "$root"
 if [[ -f .venv/bin/activate ]]; then . .venv/bin/activate; fi
 
+# The recipe's flags depend on recipe.json and on the served model's config.json. A dry run away from the
+# cluster reads neither: it prints the sidecars without those flags, marked, and the job builds them at start.
+recipe=""
+for a in "$@"; do [[ "$a" == --config.rollout.vllm.recipe=* ]] && recipe=${a#--config.rollout.vllm.recipe=}; done
+unread=()
+if (( dry )) && [[ -n "$recipe" && ! -r "$recipe" && "$recipe" != *">"* ]]; then unread+=("$recipe"); fi
+deferred=()  # appended to opdjax's arguments while the recipe is built at job start
+(( ${#unread[@]} == 0 )) || deferred=(--config.rollout.vllm.recipe=)
+
+# The resolved config's keys the layout depends on, as opdjax resolves them (its paths unchecked).
+printed=$(opdjax launch sidecar --print-config --config "$config" --model - --port 0 "$@" "${deferred[@]}") ||
+  die "opdjax refused the config (above); nothing was started."
+declare -A conf=()
+while IFS= read -r line; do
+  k=${line%% = *}; v=${line#* = }
+  [[ "$v" == \'*\' || "$v" == \"*\" ]] && v=${v:1:${#v}-2}
+  conf[$k]=$v
+done <<< "$printed"
+
+model=${VLLM_MODEL:-${conf[student.path]:-}}
+(( ${#sidecar_nodes[@]} == 0 )) || [[ -n "$model" ]] || die "sidecars need VLLM_MODEL=DIR or --config.student.path=DIR."
+if (( dry )) && (( ${#sidecar_nodes[@]} > 0 )) && [[ -n "$recipe" && ! -r "$model/config.json" ]]; then
+  unread+=("$model/config.json"); deferred=(--config.rollout.vllm.recipe=)
+fi
+
+mesh=()
+if [[ "${conf[mesh.data]}/${conf[mesh.fsdp]}/${conf[mesh.tensor]}" == 1/1/1 ]]; then
+  data=${#trainer_nodes[@]}; fsdp=$trainer_gpus; shards=$((data * fsdp))
+  for key in rollout.batch_size task.num_eval; do
+    n=${conf[$key]}
+    (( n % shards == 0 )) || die "$key=$n does not split over the trainer's $shards batch shards (mesh data=$data x" \
+      "fsdp=$fsdp); give --config.$key=$(( n / shards * shards )) (or $(( (n / shards + 1) * shards ))), or" \
+      "--config.mesh.* of your own."
+  done
+  mesh=("--config.mesh.data=$data" "--config.mesh.fsdp=$fsdp")
+fi
+
 if (( ${#sidecar_nodes[@]} > 0 )); then  # a token nobody else on the network has; never on a command line
   OPDJAX_SIDECAR_TOKEN=${OPDJAX_SIDECAR_TOKEN:-$(python -c 'import secrets; print(secrets.token_urlsafe(32))')}
   export OPDJAX_SIDECAR_TOKEN
-  if (( dry )); then echo "slurm_multinode.sh: OPDJAX_SIDECAR_TOKEN=<set> (exported to sidecars and trainer)" >&2; fi
+  if (( dry )); then note "OPDJAX_SIDECAR_TOKEN=<set> (exported to sidecars and trainer)"; fi
+fi
+if (( ${#unread[@]} > 0 )); then
+  missing=${unread[0]}${unread[1]:+ and ${unread[1]}}
+  note "rollout.vllm.recipe=$recipe: $missing not readable here; the sidecars below lack the recipe's" \
+       "flags (--quantization, --quantization-config, --kv-cache-dtype ...), which opdjax builds when the job starts" \
+       "(a dry run where both are readable prints them)."
 fi
 
+sidecar_argv() {  # the words of the shell-quoted line `opdjax launch sidecar` prints (a recipe's JSON holds quotes)
+  opdjax launch sidecar "$@" | python -c 'import shlex, sys; print(*shlex.split(sys.stdin.read()), sep="\0", end="")'
+}
+
+vllm_args=()  # one config value, however many words
+[[ -z "${VLLM_ARGS:-}" ]] || vllm_args=("--config.rollout.vllm.extra_args=$VLLM_ARGS")
 urls=()
+declare -A served=()  # node -> its sidecars, for the dry run's layout lines
 for node in "${sidecar_nodes[@]}"; do
   for ((s = 0; s < vllm_gpus / tp; s++)); do
     devs=$(seq -s, $((first_vllm + s * tp)) $((first_vllm + (s + 1) * tp - 1)))
     port=$((vllm_port + s))
-    # The flags come from opdjax (VllmServer.command), sized for this config's batch and max_len.
-    read -r -a sidecar < <(opdjax launch sidecar --config "$config" --model "$model" --port "$port" \
-                             --tp "$tp" --out "$out" "$@" ${VLLM_ARGS:+--config.rollout.vllm.extra_args="$VLLM_ARGS"})
+    # The flags come from opdjax (VllmServer.command, the recipe's flags included), sized for this config's
+    # batch and max_len.
+    mapfile -d '' -t sidecar < <(sidecar_argv --config "$config" --model "$model" --port "$port" --tp "$tp" \
+                                   --out "$out" "$@" "${deferred[@]}" "${vllm_args[@]}")
     (( ${#sidecar[@]} > 0 )) || die "could not build the sidecar command (see the error above)."
     cmd=(srun --overlap --nodes=1 --ntasks=1 -w "$node" env CUDA_VISIBLE_DEVICES="$devs" "${sidecar[@]}")
-    if (( dry )); then run "${cmd[@]}"; else "${cmd[@]}" > "$out.vllm-$node-$port.log" 2>&1 & pids+=($!); fi
+    if (( dry )); then
+      line=$(printf '%q ' "${cmd[@]}")
+      (( ${#deferred[@]} == 0 )) || line+="# + rollout.vllm.recipe's flags, built at job start"
+      echo "$line"
+    else
+      "${cmd[@]}" > "$out.vllm-$node-$port.log" 2>&1 & pids+=($!)
+    fi
     urls+=("http://$node:$port")
+    served[$node]+="${served[$node]:+, }:$port (GPU $devs)"
   done
 done
 
@@ -137,8 +197,28 @@ fi
 if (( nproc > 1 )); then
   extra+=(--coordinator "${trainer_nodes[0]}:$coord_port" --num-processes "$nproc")
 fi
-if [[ " $* " != *" --config.mesh."* ]]; then
-  extra+=(--config.mesh.fsdp=-1)  # the trainer's params, optimizer state and batch over every trainer GPU
+extra+=("${mesh[@]}")
+
+if (( dry )); then  # who runs where, one line a node
+  for ((i = 0; i < num_nodes; i++)); do
+    node=${nodes[i]}; said=""
+    if (( i < ${#trainer_nodes[@]} && per_node == 1 )); then
+      said="trainer process $i on GPUs $trainer_visible"
+    elif (( i < ${#trainer_nodes[@]} )); then
+      said="trainer processes $((i * per_node))-$(((i + 1) * per_node - 1)) on GPUs $trainer_visible, one each"
+    fi
+    [[ -z "${served[$node]:-}" ]] || said+="${said:+; }vLLM sidecars ${served[$node]}"
+    note "$node: $said"
+  done
+  rollouts="the JAX engine on the trainer's mesh"
+  (( ${#urls[@]} == 0 )) || rollouts="process 0 drives the ${#urls[@]} sidecars"
+  coord=""
+  (( nproc == 1 )) || coord=", coordinator ${trainer_nodes[0]}:$coord_port"
+  mesh_said=${mesh[*]:-"the config's mesh.data=${conf[mesh.data]} mesh.fsdp=${conf[mesh.fsdp]}"}
+  mesh_said+=$( (( ${conf[mesh.tensor]} == 1 )) || echo " mesh.tensor=${conf[mesh.tensor]}")
+  note "trainer: ${mesh_said//--config./} over ${#trainer_nodes[@]} x $trainer_gpus GPUs ($nproc process(es)$coord);" \
+       "rollouts: $rollouts; rollout.async_depth=${conf[rollout.async_depth]} (${conf[rollout.async_mode]});" \
+       "train.guard=${conf[train.guard]}${conf[train.budget]:+ with ${conf[train.budget]}}"
 fi
 
 # One srun task per trainer process; each learns its index from SLURM_PROCID (escaped: srun's shell expands it).
