@@ -67,16 +67,22 @@ def _args(folders, out, *extra):
           "--config.rollout.max_new_tokens=8", "--config.loss.kind=sampled_rkl", *extra]
 
 
-def test_opd_on_hf_folders_with_chat_prompts(folders, tmp_path):
+def test_opd_on_hf_folders_with_chat_prompts(folders, tmp_path, monkeypatch):
   import torch
   import transformers
 
+  from opdjax.rollout.jax_engine import JaxEngine
+
+  temperatures, generate = [], JaxEngine.generate
+  monkeypatch.setattr(JaxEngine, "generate", lambda self, prompts, sampling, seed=0: (
+      temperatures.append(sampling.temperature), generate(self, prompts, sampling, seed))[1])
   out = tmp_path / "run"
   assert cli.main(_args(folders, out, "--config.train.steps=4", "--config.optim.learning_rate=0.01",
                         "--config.optim.warmup_steps=1")) == 0
   recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
   assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]
   assert all(np.isfinite(r["reverse_kl"]) and "accuracy" not in r for r in recs)
+  assert temperatures and 0.0 not in temperatures  # no verifier: no greedy held-out pass to score
   assert recs[-1]["grad_norm"] > 0
   # The trained student is an HF folder transformers loads, and it differs from the initial one.
   a = transformers.AutoModelForCausalLM.from_pretrained(out / "student")

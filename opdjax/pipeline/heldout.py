@@ -34,9 +34,9 @@ class HeldOut:
     r = self.engine.generate(self.prompts, self.sampling, seed=self.seed)
     _, m = self.loss(params, teacher_params, batch_from_rollout(r))
     out = {"reverse_kl": float(m["reverse_kl"])}
-    acc = self.task.score(self.refs, self.engine.generate(self.prompts, self.greedy, seed=0).completions())
-    if acc is not None:
-      out["accuracy"] = acc
+    if self.task.has_verifier:  # (prompts without a verifier: no greedy pass to score)
+      out["accuracy"] = self.task.score(self.refs, self.engine.generate(self.prompts, self.greedy, seed=0)
+                                        .completions())
     return out, r
 
 

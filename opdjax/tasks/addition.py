@@ -100,6 +100,7 @@ class AdditionTask:
 
   pad_id = PAD
   eos_ids = (EOS,)
+  has_verifier = True
   vocab_size = VOCAB_SIZE
   num_eval: int = 256
 

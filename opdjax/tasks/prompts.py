@@ -64,5 +64,7 @@ class PromptsTask:
   def eval_set(self):
     return self._eval, None
 
+  has_verifier = False  # held-out quality is the reverse KL alone (no greedy pass)
+
   def score(self, refs, completions) -> float | None:
     return None
