@@ -150,8 +150,7 @@ def layout_with_files(tmp_path_factory):
   (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
   path = write_recipe(tmp / "recipe.json", cfg, [0, 27], "fp8_e4m3:channel")
   rc, cmds, err = dry("slurm_multinode.sh", "--config.teacher.path=/models/Qwen3-8B", f"--config.student.path={folder}",
-                      "--config.task.path=/data/prompts.jsonl", "--config.rollout.batch_size=240",
-                      "--config.task.num_eval=120", f"--config.rollout.vllm.recipe={path}", *ASYNC,
+                      "--config.task.path=/data/prompts.jsonl", f"--config.rollout.vllm.recipe={path}", *ASYNC,
                       NODES="node0 node1", VLLM_GPUS_PER_NODE="2",
                       config="configs/qwen3_8b_to_1p7b.py")
   assert rc == 0, err
@@ -216,7 +215,7 @@ def readme_block(marker):
 def test_readme_dry_run_example_runs_verbatim():
   """The README's worked example, as a reader would paste it, runs and prints the job's commands: the
   asynchronous layout, with the recipe's flags marked as built at job start (its files are the cluster's)."""
-  _, script = readme_block("<!-- tests/test_launch.py runs this block verbatim -->")
+  section, script = readme_block("<!-- tests/test_launch.py runs this block verbatim -->")
   env = {k: v for k, v in os.environ.items() if k != "OPDJAX_SIDECAR_TOKEN"}
   env["PATH"] = PATH
   p = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -236,6 +235,25 @@ def test_readme_dry_run_example_runs_verbatim():
   assert ("trainer: mesh.data=2 mesh.fsdp=6 over 2 x 6 GPUs (2 process(es), coordinator node0:8476); rollouts:"
           " process 0 drives the 4 sidecars; rollout.async_depth=1 (bounded); train.guard=warn with"
           " /runs/calib/budget.json") in p.stderr
+  # "Asynchronous rollouts at scale" shows the command every trainer process runs: this one, word for word.
+  shown = section.split("Per process, as `launch/slurm_multinode.sh` starts", 1)[1].split("\n\n", 2)[1]
+  trainer = shlex.split(lines[-1], comments=True)[-1]
+  assert shlex.split(shown.replace("\\\n", " ")) == shlex.split(trainer.split("exec ", 1)[1])
+
+
+@pytest.mark.slow
+def test_the_cluster_configs_batch_splits_over_the_launchers_other_layouts():
+  """configs/qwen3_8b_to_1p7b.py's 240 rows and 144 held-out prompts need no override on 2 x 8 GPUs: over the
+  README's 12 trainer GPUs (the tests above), a node of sidecars and a trainer node (8), no sidecars (16)."""
+  paths = ("--config.teacher.path=/models/Qwen3-8B", "--config.student.path=/models/Qwen3-1.7B",
+           "--config.task.path=/data/prompts.jsonl")
+  for env, mesh in (({"VLLM_NODES": "1", "VLLM_TP": "8"}, ["--config.mesh.data=1", "--config.mesh.fsdp=8"]),
+                    ({}, ["--config.mesh.data=2", "--config.mesh.fsdp=8"])):
+    rc, cmds, err = dry("slurm_multinode.sh", *paths, config="configs/qwen3_8b_to_1p7b.py", NODES="node0 node1",
+                        GPUS_PER_NODE="8", **env)
+    assert rc == 0, err
+    inner = shlex.split(cmds[-1][-1].split("exec ", 1)[1])
+    assert set(mesh) <= set(inner), (env, inner)
 
 
 @pytest.mark.slow
