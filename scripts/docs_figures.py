@@ -185,6 +185,51 @@ def recorded_table(view: str, columns: tuple[str, ...] = ()) -> Callable[[dict],
   return render
 
 
+def collect_ttq(run: str) -> dict:
+  """scripts/time_to_quality.py's JSON, each run without its curve (the PNG has them)."""
+  r = json.load(open(os.path.join(run, "time_to_quality.json")))
+  r["runs"] = [{k: v for k, v in x.items() if k not in ("curve", "overlap_efficiency_steps")} for x in r["runs"]]
+  return r
+
+
+def _seeds(vals, fmt="{:.1f}") -> str:
+  return ", ".join("-" if v is None else fmt.format(v) for v in vals)
+
+
+def ttq_table(r: dict) -> str:
+  """Per configuration: seeds reaching the target, seconds to it and for all steps, CPU use, load."""
+  res, rows = r["result"], []
+  target, steps = res["targets"]["accuracy"], res["steps"]
+  for name in dict.fromkeys(x["config"] for x in res["runs"]):
+    rs = [x for x in res["runs"] if x["config"] == name]
+    med = lambda k: sorted(x[k] for x in rs)[len(rs) // 2]  # noqa: E731
+    rows.append([name, f"{sum(x['seconds_to_accuracy'] is not None for x in rs)}/{len(rs)}",
+                 _seeds(x["seconds_to_accuracy"] for x in rs), _seeds(x["wall_s_at_equal_steps"] for x in rs),
+                 f"{med('final_accuracy'):.3f}",
+                 f"{med('process_cpu_per_wall'):.2f} + {med('engine_process_cpu_per_wall'):.2f}",
+                 _seeds((x["loadavg_1min"][0] for x in rs), "{:.0f}")])
+  head = ["configuration", f"reached acc {target}", f"s to acc {target} (seeds)", f"s for {steps} steps",
+          "final acc (median)", "CPU s / wall s: trainer + engine process", "load"]
+  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows)])
+
+
+def ttq_speedups(r: dict) -> str:
+  res = r["result"]
+  f = lambda k: "-" if res.get(k) is None else f"{res[k]:.2f}"  # noqa: E731
+  rows = [("async k=1 vs sync, both disaggregated", "async_k1_vs_sync_disaggregated"),
+          ("async k=2 vs sync, both disaggregated", "async_k2_vs_sync_disaggregated"),
+          ("async k=1 bounded vs sync, both disaggregated", "async_k1_bounded_vs_sync_disaggregated"),
+          ("async k=1 vs sync, both FP8 view, disaggregated", "async_k1_fp8_vs_sync_fp8_disaggregated"),
+          ("async k=1 disaggregated vs sync colocated", "async_k1_vs_sync_colocated"),
+          ("sync disaggregated vs sync colocated", "sync_disaggregated_vs_sync_colocated")]
+  out = ["| ratio (median over seeds) | to acc target | at equal steps |", "| --- | --- | --- |"]
+  out += [f"| {label} | {f('speedup_' + k)} | {f('steps_speedup_' + k)} |" for label, k in rows]
+  out.append(f"| overlap efficiency, async k=1 disaggregated (median over steps and seeds) |"
+             f" {f('overlap_efficiency_async_k1')} | |")
+  return "\n".join(out)
+
+
 def _recorded(command: str, *views: str) -> Figure:
   """A figure not re-measured since its numbers were written: --refresh refuses, --check still compares."""
   return Figure((command,), None, {v: recorded_table(v) for v in views})
@@ -283,6 +328,10 @@ FIGURES: dict[str, Figure] = {
         "runs": recorded_table("runs"), "speedups": recorded_table("speedups"),
         "bench": recorded_table("runs", ("configuration", "reached acc 0.95", "s for 800 steps",
                                          "process CPU s / wall s"))}),
+    "ttq_disaggregated": Figure(("python scripts/time_to_quality.py --out {out}",), collect_ttq,
+                                {"table": ttq_table, "speedups": ttq_speedups}),
+    "ttq_worked": Figure(("python scripts/time_to_quality.py --config configs/demo_worked.py --out {out}",),
+                         collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
     "bench_opd_step": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE", "table"),
     "bench_rollout": _recorded("PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE", "table"),
     "bench_rollout_vllm": _recorded("PYTHONPATH=. python bench/rollout_vllm.py --out FILE", "table"),
