@@ -230,6 +230,41 @@ def ttq_speedups(r: dict) -> str:
   return "\n".join(out)
 
 
+def _step_seconds(recs: list[dict]) -> list[float]:
+  """Seconds of each step after the first (compiles), held-out evaluation left out: the differences
+  of wall_s where the run timed its steps, else of elapsed_s over steps that evaluated nothing."""
+  key = "wall_s" if all("wall_s" in r for r in recs[1:]) else "elapsed_s"
+  return [b[key] - a[key] for a, b in zip(recs[1:], recs[2:])
+          if key == "wall_s" or b.get("eval_step") != b["step"]]
+
+
+def collect_sync_async(run: str) -> dict:
+  """Two runs of one config, `{out}/sync` and `{out}/async`: seconds a step (median after the first)
+  and the asynchronous run's median time split."""
+  out = {}
+  for kind in ("sync", "async"):
+    recs = _metrics(os.path.join(run, kind))
+    steps = _step_seconds(recs)
+    timed = [r for r in recs[2:] if "time_train_s" in r]
+    out[kind] = {"steps": len(steps), "s_per_step": sorted(steps)[len(steps) // 2],
+                 "split": {k: sorted(r[k] for r in timed)[len(timed) // 2] for k in timed[0]
+                           if k.startswith(("time_", "overlap_", "busy_"))} if timed else {}}
+  out["async_over_sync"] = out["async"]["s_per_step"] / out["sync"]["s_per_step"]
+  return out
+
+
+def sync_async_line(r: dict) -> str:
+  res = r["result"]
+  a, s = res["async"], res["sync"]
+  sp = a["split"]
+  return (f"synchronous {s['s_per_step']:.1f} s a step, async k=1 {a['s_per_step']:.1f} s"
+          f" (**{res['async_over_sync']:.2f}x**; medians over {s['steps']} and {a['steps']} steps after the first,"
+          f" evaluation left out); the async run's split: generate {sp['time_generate_s']:.1f} s, weight sync"
+          f" {sp['time_weight_sync_s']:.1f} s (of it the export {sp['time_export_s']:.1f} s, which waits for the"
+          f" train step that makes the params, and the server's reload {sp['time_reload_s']:.2f} s), trainer"
+          f" {sp['time_train_s']:.1f} s a step, overlap efficiency {sp['overlap_efficiency']:.2f}")
+
+
 def _recorded(command: str, *views: str) -> Figure:
   """A figure not re-measured since its numbers were written: --refresh refuses, --check still compares."""
   return Figure((command,), None, {v: recorded_table(v) for v in views})
@@ -332,6 +367,11 @@ FIGURES: dict[str, Figure] = {
                                 {"table": ttq_table, "speedups": ttq_speedups}),
     "ttq_worked": Figure(("python scripts/time_to_quality.py --config configs/demo_worked.py --out {out}",),
                          collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
+    "smollm2_vllm_async": Figure(tuple(
+        "opdjax train --config configs/smollm2_opd.py --out {out}/" + kind + " --config.rollout.engine=vllm"
+        " --config.rollout.placement=disaggregated --config.rollout.vllm.cpus=1 --config.train.steps=8" + extra
+        for kind, extra in (("sync", ""), ("async", " --config.rollout.async_depth=1"))),
+        collect_sync_async, {"line": sync_async_line}),
     "bench_opd_step": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE", "table"),
     "bench_rollout": _recorded("PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE", "table"),
     "bench_rollout_vllm": _recorded("PYTHONPATH=. python bench/rollout_vllm.py --out FILE", "table"),
