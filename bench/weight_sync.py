@@ -107,7 +107,8 @@ def reload_split(engine, path: str) -> dict:
 
 def run_model(name, cfg, params, engine, reps: int, root: str) -> dict:
   """Both paths, interleaved, `reps` times each (engine None: export side only)."""
-  from opdjax.rollout.weights import HfExporter, probe_values
+  from opdjax.rollout.vllm.exporter import HfExporter
+  from opdjax.rollout.vllm.probe import probe_values
 
   exporter = engine.exporter if engine is not None else HfExporter(cfg, root, "bfloat16")
   today, new, split_today, split_new = [], [], [], []

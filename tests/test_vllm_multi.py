@@ -21,7 +21,7 @@ from opdjax.rollout.factory import make_vllm_engine, make_vllm_server
 from opdjax.rollout.vllm import VllmEngine, auth, prompt_seeds
 from opdjax.rollout.vllm.client import ServerInfo, VllmError
 from opdjax.rollout.vllm.multi import MultiVllmEngine, shares
-from opdjax.rollout.weights import PROBE_PROMPT
+from opdjax.rollout.vllm.probe import PROBE_PROMPT
 
 MODEL = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=128)

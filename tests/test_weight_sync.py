@@ -28,15 +28,9 @@ from opdjax.models import Model, ModelConfig
 from opdjax.models.hf_io import _read_tensors, hf_names, load_hf_params, to_hf
 from opdjax.rollout import SamplingParams
 from opdjax.rollout.vllm.capability import check_fp8
-from opdjax.rollout.weights import (
-  INDEX,
-  PROBE_NEW,
-  PROBE_PROMPT,
-  HfExporter,
-  export_dtype,
-  probe_tolerance,
-  write_folder,
-)
+from opdjax.rollout.vllm.exporter import HfExporter
+from opdjax.rollout.vllm.probe import PROBE_NEW, PROBE_PROMPT, probe_tolerance
+from opdjax.rollout.weights import INDEX, export_dtype, write_folder
 from opdjax.scoring.rescore import batch_from_rollout, token_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -368,7 +362,7 @@ def bf16_engine(smollm2, tmp_path_factory):
 
 @pytest.mark.vllm
 def test_a_skipped_reload_is_caught_by_the_probe_at_the_first_update(bf16_engine, smollm2, monkeypatch, caplog):
-  from opdjax.rollout.vllm.engine import SyncProbeError
+  from opdjax.rollout.vllm.probe import SyncProbeError
 
   _, steps = smollm2
   assert bf16_engine.exporter.dtype == "bfloat16"  # read back from the server

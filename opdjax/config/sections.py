@@ -53,13 +53,10 @@ def check_views(key: str, spec: str, sep: str = ";") -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  """`addition` (built-in, exact verifier) or `prompts` (`path`: a JSONL of prompts, or builtin:NAME).
-  `answer` (addition): `sum`, the reversed sum; `worked`, the column sums first (~3x longer answers:
-  give rollout.max_new_tokens >= 5 * max_digits + 3; configs/demo_worked.py)."""
+  """`addition` (built-in, exact verifier) or `prompts` (`path`: a JSONL of prompts, or builtin:NAME)."""
 
   name: str = "addition"
   max_digits: int = 2
-  answer: str = "sum"
   num_eval: int = 256
   path: str = ""
   chat_template: bool = False
@@ -67,7 +64,6 @@ class TaskConfig:
   def check(self):
     check_choice("task.name", self.name, TASKS)
     check_positive("task.num_eval", self.num_eval)
-    check_choice("task.answer", self.answer, ("sum", "worked"))
     if self.name == "prompts":
       if not self.path:
         raise UserError("task.path is empty: task.name='prompts' needs a JSONL of prompts (or builtin:NAME).")
@@ -155,7 +151,7 @@ class VllmConfig:
   recipe: str = ""  # recipe.json of `opdjax sensitivity` (or its view): FP8 weights and KV (rollout.vllm.recipe)
   # Synced weights: a folder every trainer process and server host sees ('': OUT/vllm-weights, or /dev/shm
   # for one trainer process and its own server); after each reload a probe whose log-probs may differ
-  # from the trainer's by probe_tolerance (0: the default of the server's dtype, opdjax.rollout.weights).
+  # from the trainer's by probe_tolerance (0: the default of the server's dtype, opdjax.rollout.vllm.probe).
   export_dir: str = ""
   probe_tolerance: float = 0.0
 

