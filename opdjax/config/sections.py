@@ -53,10 +53,13 @@ def check_views(key: str, spec: str, sep: str = ";") -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  """`addition` (built-in, exact verifier) or `prompts` (`path`: a JSONL of prompts, or builtin:NAME)."""
+  """`addition` (built-in, exact verifier) or `prompts` (`path`: a JSONL of prompts, or builtin:NAME).
+  `answer` (addition): `sum`, the reversed sum; `worked`, the column sums first (~3x longer answers:
+  give rollout.max_new_tokens >= 5 * max_digits + 3; configs/demo_worked.py)."""
 
   name: str = "addition"
   max_digits: int = 2
+  answer: str = "sum"
   num_eval: int = 256
   path: str = ""
   chat_template: bool = False
@@ -64,6 +67,7 @@ class TaskConfig:
   def check(self):
     check_choice("task.name", self.name, TASKS)
     check_positive("task.num_eval", self.num_eval)
+    check_choice("task.answer", self.answer, ("sum", "worked"))
     if self.name == "prompts":
       if not self.path:
         raise UserError("task.path is empty: task.name='prompts' needs a JSONL of prompts (or builtin:NAME).")
