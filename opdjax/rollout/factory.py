@@ -147,7 +147,9 @@ def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: in
   gpu_memory_utilization, tensor_parallel_size, enforce_eager, api_key, python, cpu_kvcache_gib,
   extra_args, export_dir, probe_tolerance). Logs go to OUT/vllm.log (OUT/vllm-I.log for several),
   synced weights to `export_dir` (default: OUT/vllm-weights, or /dev/shm for a single trainer process
-  and its own server).
+  and its own server). The servers started here start from OUT/vllm-init, which leaves OUT once every
+  one of them has loaded it: the engine holds it under its export folder (a restart before the first
+  sync starts from it) and the first sync removes it.
   """
   if not 0 < max_new_tokens < max_len:
     raise UserError(f"rollout.max_new_tokens={max_new_tokens} must be >= 1 and below rollout.max_len={max_len}"
@@ -162,8 +164,8 @@ def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: in
   if vcfg.url and not urls and num <= 1:
     return VllmEngine(vcfg.url, student_cfg, **kw)
   servers: list = list(urls)
+  init_dir = os.path.join(out_dir, "vllm-init")  # the weights the servers start on; every step syncs its own
   if not urls:
-    init_dir = os.path.join(out_dir, "vllm-init")  # the weights it starts on; every step syncs its own
     if not os.path.exists(init_dir) and untied_head(vcfg, student_cfg):
       write_folder(init_params, student_cfg, init_dir, "float32", untie=True)
     elif not os.path.exists(init_dir):
@@ -171,17 +173,25 @@ def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: in
     servers = [make_vllm_server(vcfg, init_dir, max_len=max_len, batch_size=batch_size, out_dir=out_dir,
                                 index=i if num > 1 else None) for i in range(num)]
   if len(servers) == 1:
-    return VllmEngine(servers[0], student_cfg, **kw)  # starts the server; its close() stops it
-  engines: list[VllmEngine] = []
-  try:
-    for server in servers:  # one at a time: each start waits for its /health
-      engines.append(VllmEngine(server, student_cfg, **{**kw, "export_dir": None}))
-    return MultiVllmEngine(engines, student_cfg, pad_id=pad_id, eos_ids=tuple(eos_ids), export_dir=export_dir,
-                           **probe)
-  except BaseException:
-    for e in engines:
-      e.close()
-    raise
+    engine: VllmEngineBase = VllmEngine(servers[0], student_cfg, **kw)  # starts the server; its close() stops it
+  else:
+    engines: list[VllmEngine] = []
+    try:
+      for server in servers:  # one at a time: each start waits for its /health
+        engines.append(VllmEngine(server, student_cfg, **{**kw, "export_dir": None}))
+      engine = MultiVllmEngine(engines, student_cfg, pad_id=pad_id, eos_ids=tuple(eos_ids), export_dir=export_dir,
+                               **probe)
+    except BaseException:
+      for e in engines:
+        e.close()
+      raise
+  if not urls:  # every server has loaded it: the engine holds it (restarts start from it) until the first sync
+    try:
+      engine.hold(init_dir)
+    except BaseException:
+      engine.close()
+      raise
+  return engine
 
 
 def sidecar_command(cfg, model: str, port: int, tp: int, out_dir: str) -> list[str]:

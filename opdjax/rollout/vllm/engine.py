@@ -83,6 +83,11 @@ class VllmEngineBase(RolloutEngine):
   def weights_path(self) -> str | None:
     return self._weights_path
 
+  def hold(self, folder: str) -> None:
+    """`folder`, which the servers started from, becomes the weights they hold (moved under the export
+    root): a restart before the first sync starts from it, the first sync removes it."""
+    self._weights_path = shutil.move(folder, os.path.join(self._export_root, f"000000-v{self._version}"))
+
   def sync(self, params, version: int) -> None:
     """Exports `params` to a fresh HF folder and has vLLM reload it in place."""
     self.load(self.export(params, version))

@@ -56,6 +56,11 @@ class MultiVllmEngine(VllmEngineBase):
   def urls(self) -> list[str]:
     return [e.url for e in self.engines]
 
+  def hold(self, folder: str) -> None:
+    super().hold(folder)
+    for e in self.engines:  # each server's restarts start from it too, until a sync reaches it
+      e._weights_path = self._weights_path  # noqa: SLF001
+
   def load(self, update: WeightUpdate) -> None:
     self._target = update.version  # what _reload installs; `params_version` changes once a server holds it
     super().load(update)
