@@ -29,6 +29,7 @@ TASKS = ("addition", "prompts")
 BEST_METRICS = ("", "reverse_kl", "accuracy")
 ASYNC_MODES = ("exact", "bounded")
 GUARDS = ("warn", "backoff", "halt")
+TEACHER_SCORING = ("trainer", "engine")
 
 
 def check_choice(key: str, value, choices) -> None:
@@ -197,7 +198,13 @@ class RolloutConfig:
   behind (opdjax.pipeline.async_sampler); `async_mode` exact (always k behind: equals the `lag=k`
   view bitwise) or bounded (the newest params within k). `devices`: the JAX engine's own devices on
   this host, a count ('2': the last two) or a set of `jax.local_devices()` indices ('2,3'; one: '3,');
-  the trainer's mesh is built over the rest (default: the last device that is not the trainer's)."""
+  the trainer's mesh is built over the rest (default: the last device that is not the trainer's).
+  `teacher_scoring`: where the teacher's layers run on each rollout: `trainer` (in the OPD step) or
+  `engine` (the disaggregated JAX engine's process runs them after sampling and returns the teacher's
+  final hidden states with the rollout; the step keeps the teacher's output matrix and the fused loss:
+  opdjax.rollout.teacher). `engine` moves the teacher's forward pass off the trainer's side, which pays
+  where the trainer's side is the longer one (async, docs/async.md); it needs rollout.engine='jax' with
+  rollout.placement='disaggregated' and the OPD objective."""
 
   engine: str = "jax"
   view: str = "clean"
@@ -212,6 +219,7 @@ class RolloutConfig:
   async_mode: str = "exact"
   devices: str = ""
   placement: str = "colocated"  # or disaggregated: the engine on cores of its own (opdjax.rollout.cpus)
+  teacher_scoring: str = "trainer"
 
   @property
   def sampling(self) -> SamplingParams:
@@ -243,6 +251,12 @@ class RolloutConfig:
 
     check_config(self)
     self._check_async()
+    check_choice("rollout.teacher_scoring", self.teacher_scoring, TEACHER_SCORING)
+    if self.teacher_scoring == "engine" and (self.engine, self.placement) != ("jax", "disaggregated"):
+      raise UserError(f"rollout.teacher_scoring='engine' runs the teacher in the JAX engine's own process, which"
+                      f" needs rollout.engine='jax' with rollout.placement='disaggregated' (this config:"
+                      f" engine={self.engine!r}, placement={self.placement!r}); set both, or leave"
+                      " rollout.teacher_scoring='trainer'.")
 
   def _check_async(self):
     from opdjax.views.view import EngineView

@@ -37,12 +37,14 @@ class EnginePool:
   noise or lag share an engine and its compiled decode loop; with rollout.engine='vllm', one vLLM
   engine serves every view it can realise. `device`: where the asynchronous producer's JAX engines
   live, one device or a Placement of their own (a mesh over `rollout.devices`): their compiled
-  decode loops and KV caches never move between devices."""
+  decode loops and KV caches never move between devices. `teacher`: the scoring teacher (Model,
+  params), which the JAX engines' own processes hold with rollout.teacher_scoring='engine'."""
 
   def __init__(self, cfg: Config, student: Model, student_params, task, out_dir: str | None,
-               placement: Placement | None = None):
+               placement: Placement | None = None, teacher=None):
     self.cfg, self.student, self.student_params, self.task, self.out_dir = cfg, student, student_params, task, out_dir
     self.placement = placement
+    self.teacher = teacher if cfg.rollout.teacher_scoring == "engine" else None
     self._jax: dict = {}  # device or Placement (None: the session's placement) -> EngineCache
     self._vllm: RolloutEngine | None = None
 
@@ -53,7 +55,8 @@ class EnginePool:
       placement = self.placement if device is None else device if isinstance(device, Placement) else None
       self._jax[device] = EngineCache(max_len=self.cfg.rollout.max_len, pad_id=self.task.pad_id,
                                       eos_ids=self.task.eos_ids, placement=placement,
-                                      cores=core_split(self.cfg.rollout))  # disaggregated: its own process
+                                      cores=core_split(self.cfg.rollout),  # disaggregated: its own process
+                                      teacher=self.teacher)
     return self._jax[device]
 
   def get(self, view: EngineView, device=None) -> RolloutEngine:
@@ -117,7 +120,10 @@ class Session:
           ViewTransform(self.teacher.cfg.num_layers)(self.teacher_view, self.clean_teacher_params))
       self._teacher_kl = jax.jit(lambda qp, cp, b: masked_mean(
           exact_kl(self.teacher, qp, self.clean_teacher, cp, b), b["loss_mask"]))
-    self.engines = EnginePool(cfg, self.student, self.student_params, self.task, out_dir, self.placement)
+    # The teacher as the trainer scores with it (its own view applied): rollout.teacher_scoring='engine'
+    # runs it in the engine's process instead, the same model and params.
+    self.engines = EnginePool(cfg, self.student, self.student_params, self.task, out_dir, self.placement,
+                              teacher=(self.teacher, self.teacher_params))
     self.held_out = HeldOut(self.student, self.teacher, self.task, self.sampling, cfg.loss.chunk, cfg.seed,
                             {"max_len": cfg.rollout.max_len, "pad_id": self.task.pad_id,
                              "eos_ids": self.task.eos_ids, "placement": self.placement})

@@ -145,13 +145,26 @@ def rescore_batch(rollout: Rollout):
 
 
 class OpdObjective:
-  """Re-score the rollout with student and teacher, one jitted step on the OPD loss."""
+  """Re-score the rollout with student and teacher, one jitted step on the OPD loss. With
+  rollout.teacher_scoring='engine' the rollout brings the teacher's hidden states (ScoredRollout, from
+  the engine's process) and the batch carries them: the step skips the teacher's layers."""
 
   def __init__(self, session: Session):
     self.session, self.step_fn = session, session.train_step("opd")
+    self.engine_scored = session.cfg.rollout.teacher_scoring == "engine"
 
   def prepare(self, rollout: Rollout, refs):
-    return rescore_batch(rollout), lambda: self.session.task.score(refs, rollout.completions())
+    batch = rescore_batch(rollout)
+    if self.engine_scored:
+      hidden = getattr(rollout, "teacher_hidden", None)
+      if hidden is None:  # the config checks rule this out; an engine built around them would land here
+        raise RuntimeError("rollout.teacher_scoring='engine', but the rollout engine returned no teacher hidden"
+                           " states (only the disaggregated JAX engine's process scores the teacher).")
+      if hidden.shape[:2] != batch["tokens"].shape:
+        raise RuntimeError(f"the engine's teacher hidden states {hidden.shape} do not line up with the batch's"
+                           f" tokens {batch['tokens'].shape}.")
+      batch = {**batch, "teacher_hidden": hidden}
+    return batch, lambda: self.session.task.score(refs, rollout.completions())
 
   def __call__(self, state, sample: Sample):
     state, metrics = self.step_fn(state, self.session.teacher_params, sample.inputs)
@@ -164,6 +177,9 @@ class GrpoObjective:
   def __init__(self, session: Session):
     from opdjax.training import grpo
 
+    if session.cfg.rollout.teacher_scoring == "engine":
+      raise UserError("rollout.teacher_scoring='engine' has the engine score the teacher for the OPD loss; GRPO has"
+                      " no teacher: leave rollout.teacher_scoring='trainer' for the GRPO objective.")
     self.grpo, self.session, self.step_fn = grpo, session, session.train_step("grpo")
 
   def prepare(self, rollout: Rollout, refs):

@@ -11,6 +11,11 @@ prompts and gets the rollout's arrays back over a local socket (multiprocessing.
 per-engine key). The sidecar runs `JaxEngine` on the engine-view model, so it realises every view
 part the in-process engine does (packed FP8 weights arrive fake-quantized: `packed_weights=False`).
 
+With a `teacher` (rollout.teacher_scoring='engine', opdjax.rollout.teacher) the sidecar also holds
+the fixed teacher, its config and params sent once at start (params through a shared-memory block of
+their own, freed once loaded), and answers each `generate` with the rollout and the teacher's final
+hidden states on it: one round trip, the teacher's layers on the engine's cores.
+
 `python -m opdjax.rollout.jax_sidecar` is the sidecar's side; the engine starts it (SIGTERM when the
 trainer dies) and `close()` stops it.
 """
@@ -36,6 +41,7 @@ import numpy as np
 from opdjax.errors import UserError
 from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
 from opdjax.rollout.cpus import TRAINER
+from opdjax.rollout.teacher import ScoredRollout
 
 ADDRESS_ENV, KEY_ENV = "OPDJAX_JAX_SIDECAR_ADDRESS", "OPDJAX_JAX_SIDECAR_KEY"
 ROLLOUT_FIELDS = ("prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask", "rollout_logprobs")
@@ -47,14 +53,15 @@ class SidecarError(RuntimeError):
 
 class JaxSidecarEngine(RolloutEngine):
   """A JaxEngine for `model_cfg` in its own process on `cpus`; this process's threads on
-  `trainer_cpus` while it runs (opdjax.rollout.cpus)."""
+  `trainer_cpus` while it runs (opdjax.rollout.cpus). `teacher`: (Model, params) of the teacher it
+  scores every rollout with (its `generate` returns a ScoredRollout), or None."""
 
   capabilities = Capabilities(
       view_parts=frozenset({"compute_dtype", "kv_quant", "act_quant", "weights", "noise_sigma", "lag"}),
       packed_weights=False, processed_logprobs=True)
 
   def __init__(self, model_cfg, params=None, *, max_len: int, pad_id: int, eos_ids: Sequence[int], cpus,
-               trainer_cpus, version: int = 0, startup_timeout_s: float = 600.0):
+               trainer_cpus, version: int = 0, teacher=None, startup_timeout_s: float = 600.0):
     import jax
 
     if jax.default_backend() != "cpu":  # its own accelerators would need their own visible devices
@@ -63,6 +70,7 @@ class JaxSidecarEngine(RolloutEngine):
                       " rollout.devices and rollout.async_depth (placement colocated), or use rollout.engine='vllm'.")
     self.cpus, self.trainer_cpus = sorted(cpus), sorted(trainer_cpus)
     self._version, self._shm, self._proc, self._conn = version, None, None, None
+    self.scores_teacher = teacher is not None
     self._lock = threading.Lock()  # one request at a time on the socket
     self._dir = tempfile.mkdtemp(prefix="opdjax-jax-sidecar-")
     self.log_path = os.path.join(self._dir, "sidecar.log")
@@ -85,7 +93,15 @@ class JaxSidecarEngine(RolloutEngine):
       finally:
         os.sched_setaffinity(0, mask)
       self._conn = self._accept(listener, startup_timeout_s)
-      self._call(("init", dataclasses.asdict(model_cfg), max_len, pad_id, tuple(eos_ids)))
+      teacher_cfg = None if teacher is None else dataclasses.asdict(teacher[0].cfg)
+      self._call(("init", dataclasses.asdict(model_cfg), max_len, pad_id, tuple(eos_ids), teacher_cfg))
+      if teacher is not None:  # fixed: sent once, through a block of its own freed once it is loaded
+        block = None
+        try:
+          block, layout, structure = _to_shm(self.export(teacher[1], 0).params, None)
+          self._call(("teacher", block.name, layout, structure))
+        finally:
+          _free(block)
       if params is not None:
         self.sync(params, version)
     except BaseException:
@@ -143,21 +159,8 @@ class JaxSidecarEngine(RolloutEngine):
     return WeightUpdate(version, params=host, stats={"time_export_s": time.perf_counter() - t0})
 
   def load(self, update: WeightUpdate) -> None:
-    import jax
-
     t0 = time.perf_counter()
-    leaves, treedef = jax.tree.flatten(update.params)
-    leaves = [np.ascontiguousarray(x) for x in leaves]
-    layout, offset = [], 0
-    for x in leaves:
-      layout.append((offset, x.shape, x.dtype.str))
-      offset += -(-x.nbytes // 64) * 64  # 64-byte aligned
-    if self._shm is None or self._shm.size < offset:
-      self._free_shm()
-      self._shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
-    for (off, _, _), x in zip(layout, leaves):
-      np.ndarray(x.shape, x.dtype, buffer=self._shm.buf, offset=off)[...] = x
-    structure = jax.tree.unflatten(treedef, list(range(len(leaves))))  # nested dicts of leaf indices
+    self._shm, layout, structure = _to_shm(update.params, self._shm)
     self._call(("load", update.version, self._shm.name, layout, structure))
     self._version = update.version
     update.stats = {**update.stats, "time_reload_s": time.perf_counter() - t0}
@@ -170,15 +173,15 @@ class JaxSidecarEngine(RolloutEngine):
 
     _, arrays, version = self._call(("generate", [list(map(int, p)) for p in prompts],
                                      dataclasses.asdict(sampling), int(seed)))
-    return Rollout(*(jnp.asarray(arrays[k]) for k in ROLLOUT_FIELDS), params_version=version, sampling=sampling,
-                   seed=seed)
+    fields = [jnp.asarray(arrays[k]) for k in ROLLOUT_FIELDS]
+    if "teacher_hidden" in arrays:
+      return ScoredRollout(*fields, params_version=version, sampling=sampling, seed=seed,
+                           teacher_hidden=jnp.asarray(arrays["teacher_hidden"]))
+    return Rollout(*fields, params_version=version, sampling=sampling, seed=seed)
 
   def _free_shm(self) -> None:
-    if self._shm is not None:
-      self._shm.close()
-      with contextlib.suppress(FileNotFoundError):
-        self._shm.unlink()
-      self._shm = None
+    _free(self._shm)
+    self._shm = None
 
   def close(self) -> None:
     if self._conn is not None:
@@ -198,20 +201,60 @@ class JaxSidecarEngine(RolloutEngine):
     shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def _to_shm(params, shm: shared_memory.SharedMemory | None):
+  """(block, layout, structure): `params`' leaves written into `shm` (a new block when it is None or
+  too small; the old one freed), 64-byte aligned; `structure` the tree of leaf indices."""
+  import jax
+
+  leaves, treedef = jax.tree.flatten(params)
+  leaves = [np.ascontiguousarray(x) for x in leaves]
+  layout, offset = [], 0
+  for x in leaves:
+    layout.append((offset, x.shape, x.dtype.str))
+    offset += -(-x.nbytes // 64) * 64
+  if shm is None or shm.size < offset:
+    _free(shm)
+    shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
+  for (off, _, _), x in zip(layout, leaves):
+    np.ndarray(x.shape, x.dtype, buffer=shm.buf, offset=off)[...] = x
+  return shm, layout, jax.tree.unflatten(treedef, list(range(len(leaves))))  # nested dicts of leaf indices
+
+
+def _free(shm: shared_memory.SharedMemory | None) -> None:
+  if shm is not None:
+    shm.close()
+    with contextlib.suppress(FileNotFoundError):
+      shm.unlink()
+
+
 # --- the sidecar's side ---------------------------------------------------------------------------
+
+def _read_shm(blocks: dict, name: str, layout, structure):
+  """Device arrays of the params a `_to_shm` block holds (the block stays mapped: the trainer owns it)."""
+  import jax
+  import jax.numpy as jnp
+
+  if name not in blocks:
+    blocks[name] = shared_memory.SharedMemory(name=name)
+    resource_tracker.unregister(blocks[name]._name, "shared_memory")  # the trainer owns it
+  buf = blocks[name].buf
+  leaves = [jnp.array(np.ndarray(shape, np.dtype(dt), buffer=buf, offset=off)) for off, shape, dt in layout]
+  return jax.tree.map(lambda i, leaves=leaves: leaves[i], structure)
+
 
 def _serve(conn) -> None:
   import jax
-  import jax.numpy as jnp
 
   from opdjax.models.config import ModelConfig
   from opdjax.models.decoder import Model
   from opdjax.rollout.jax_engine import JaxEngine
+  from opdjax.rollout.teacher import TeacherScorer
 
-  _, cfg, max_len, pad_id, eos_ids = conn.recv()
+  _, cfg, max_len, pad_id, eos_ids, teacher_cfg = conn.recv()
   engine = JaxEngine(Model(ModelConfig(**cfg)), None, max_len=max_len, pad_id=pad_id, eos_ids=eos_ids)
   conn.send(("ready", jax.devices()[0].platform))
   blocks: dict[str, shared_memory.SharedMemory] = {}
+  scorer = None
   while True:
     msg = conn.recv()
     try:
@@ -220,19 +263,22 @@ def _serve(conn) -> None:
         break
       if msg[0] == "load":
         _, version, name, layout, structure = msg
-        if name not in blocks:
-          blocks[name] = shared_memory.SharedMemory(name=name)
-          resource_tracker.unregister(blocks[name]._name, "shared_memory")  # the trainer owns it
-        buf = blocks[name].buf
-        leaves = [jnp.array(np.ndarray(shape, np.dtype(dt), buffer=buf, offset=off)) for off, shape, dt in layout]
-        params = jax.tree.map(lambda i, leaves=leaves: leaves[i], structure)
-        engine.sync(params, version)
+        engine.sync(_read_shm(blocks, name, layout, structure), version)
         jax.block_until_ready(engine._params)  # the block is free once this is acknowledged
         conn.send(("loaded", version))
+      elif msg[0] == "teacher":  # its own block, which the trainer frees once this is acknowledged
+        _, name, layout, structure = msg
+        params = jax.block_until_ready(_read_shm(blocks, name, layout, structure))
+        scorer = TeacherScorer(Model(ModelConfig(**teacher_cfg)), params)
+        blocks.pop(name).close()
+        conn.send(("teacher_loaded",))
       elif msg[0] == "generate":
         _, prompts, sampling, seed = msg
         r = engine.generate(prompts, SamplingParams(**sampling), seed=seed)
-        conn.send(("rollout", {k: np.asarray(getattr(r, k)) for k in ROLLOUT_FIELDS}, r.params_version))
+        arrays = {k: np.asarray(getattr(r, k)) for k in ROLLOUT_FIELDS}
+        if scorer is not None:
+          arrays["teacher_hidden"] = np.asarray(scorer(r))
+        conn.send(("rollout", arrays, r.params_version))
     except Exception as e:  # noqa: BLE001 -- reported to the trainer, which raises it
       conn.send(("error", "UserError" if isinstance(e, UserError) else type(e).__name__, str(e)))
   for b in blocks.values():

@@ -13,24 +13,22 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from opdjax.models.decoder import Model, positions_from_mask
+from opdjax.models.decoder import Model
 from opdjax.rollout.base import Rollout
+from opdjax.rollout.teacher import model_inputs
 
 TrainBatch = dict[str, jax.Array]
 
 
 def batch_from_rollout(r: Rollout) -> TrainBatch:
-  tokens = jnp.concatenate([r.prompt_tokens, r.completion_tokens], axis=1)
-  mask = jnp.concatenate([r.prompt_mask, r.completion_mask], axis=1)
+  """The sequences as the models read them (`model_inputs`, the layout the engine's teacher scoring
+  shares), the loss mask over completion targets and the engine's log-probs at those targets."""
   loss_mask = jnp.concatenate(
       [jnp.zeros_like(r.prompt_mask[:, 1:]), r.completion_mask], axis=1).astype(jnp.float32)
   rollout_lp = jnp.concatenate(
       [jnp.zeros(r.prompt_tokens[:, 1:].shape, jnp.float32), r.rollout_logprobs], axis=1)
   return {
-      "tokens": tokens[:, :-1],
-      "positions": positions_from_mask(mask)[:, :-1],
-      "attention_mask": mask[:, :-1],
-      "targets": tokens[:, 1:],
+      **model_inputs(r.prompt_tokens, r.prompt_mask, r.completion_tokens, r.completion_mask),
       "loss_mask": loss_mask,
       "rollout_logprobs": rollout_lp * loss_mask,
   }

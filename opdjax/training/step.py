@@ -88,10 +88,15 @@ def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teach
   `sampling`: how the engine that produced `rollout_logprobs` processed its logits (temperature,
   top-k, top-p). The trainer is scored on that same distribution for the importance weights and
   the `mismatch_*` metrics; the objective stays on the models' T = 1 distributions. None: T = 1,
-  unprocessed.
+  unprocessed. A batch with `teacher_hidden` (rollout.teacher_scoring='engine') carries the teacher's
+  final hidden states from the engine's process (opdjax.rollout.teacher): the teacher's layers do not
+  run here, its output matrix and the fused loss do.
   """
   h_s, _ = student.hidden(params, batch["tokens"], batch["positions"], batch["attention_mask"])
-  h_t, _ = teacher.hidden(teacher_params, batch["tokens"], batch["positions"], batch["attention_mask"])
+  if "teacher_hidden" in batch:
+    h_t = batch["teacher_hidden"]
+  else:
+    h_t, _ = teacher.hidden(teacher_params, batch["tokens"], batch["positions"], batch["attention_mask"])
   mask = batch["loss_mask"]
   loss, terms = fused_opd_loss(
       h_s, student.output_matrix(params), jax.lax.stop_gradient(h_t),
