@@ -36,6 +36,7 @@ tolerance_rel * |median|)); and `speedup_async_k1` = median over seeds of sync_f
 OUT/time_to_quality.png: quality vs wall clock, one curve per configuration (median over seeds).
 
   python scripts/time_to_quality.py --out runs/ttq [--seeds 3] [--steps 800] [--eval-every 20]
+      [--config configs/demo_worked.py] [--teacher-scoring engine]
 """
 
 from __future__ import annotations
@@ -246,6 +247,9 @@ def main(argv=None) -> int:
   p.add_argument("--target-reverse-kl", type=float, default=0.1)
   p.add_argument("--configs", default=",".join(DEFAULT), help=f"of {', '.join(CONFIGS)}")
   p.add_argument("--warmup-steps", type=int, default=4)
+  p.add_argument("--teacher-scoring", choices=("trainer", "engine"), default="trainer",
+                 help="rollout.teacher_scoring of the disaggregated configurations (engine: the teacher's layers"
+                      " run in the engine's process; colocated ones always score on the trainer)")
   args = p.parse_args(argv)
 
   from opdjax.analyses import reporting
@@ -267,7 +271,9 @@ def main(argv=None) -> int:
     group = [n for n in names if CONFIGS[n][3] == placement]
     if not group:
       continue
-    sessions = {placement: Session(cfg.replace(rollout={"placement": placement}), None, progress=False)}
+    scoring = args.teacher_scoring if placement == "disaggregated" else "trainer"
+    sessions = {placement: Session(cfg.replace(rollout={"placement": placement, "teacher_scoring": scoring}), None,
+                                   progress=False)}
     try:
       for name in group:
         run_one(sessions, name, cfg.seed, args.warmup_steps, args.eval_every, targets)
@@ -283,6 +289,7 @@ def main(argv=None) -> int:
     finally:
       sessions[placement].close()
   result = {"targets": targets, "steps": steps, "seeds": args.seeds, "eval_every": args.eval_every,
+            "teacher_scoring_disaggregated": args.teacher_scoring,
             "config": args.config, "cpu_count": os.cpu_count(), "runs": runs, **summarize(runs, args.seeds, cfg)}
   os.makedirs(args.out, exist_ok=True)
   reporting.write_json(os.path.join(args.out, "time_to_quality.json"), result)
