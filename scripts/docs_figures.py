@@ -265,6 +265,23 @@ def sync_async_line(r: dict) -> str:
           f" {sp['time_train_s']:.1f} s a step, overlap efficiency {sp['overlap_efficiency']:.2f}")
 
 
+def reproduction_table(r: dict) -> str:
+  """scripts/reproduce.py's verdicts, one row a claim, with the stage wall times."""
+  import reproduce  # scripts/ (no jax import)
+
+  res = r["result"]
+  lines = ["| claim | paper's statement | result | verdict | stage wall s |", "| --- | --- | --- | --- | --- |"]
+  for num, stage, title in reproduce.CLAIMS:
+    c = res["claims"].get(num)
+    wall = res["stages"].get(stage, {}).get("wall_s")
+    lines.append(f"| {num}. {title} | {reproduce.STATEMENTS[num]} | {c['summary'] if c else 'not run'} |"
+                 f" **{c['verdict'] if c else 'not run'}** | {wall if wall is not None else '-'} |")
+  total = sum(v["wall_s"] for v in res["stages"].values())
+  lines += ["", f"All stages: {total / 60:.1f} min ({'complete' if res['complete'] else 'incomplete'}); load average"
+            f" {res['load_average']['start']} at start, {res['load_average']['end']} at the end."]
+  return "\n".join(lines)
+
+
 def _recorded(command: str, *views: str) -> Figure:
   """A figure not re-measured since its numbers were written: --refresh refuses, --check still compares."""
   return Figure((command,), None, {v: recorded_table(v) for v in views})
@@ -372,6 +389,8 @@ FIGURES: dict[str, Figure] = {
         " --config.rollout.placement=disaggregated --config.rollout.vllm.cpus=1 --config.train.steps=8" + extra
         for kind, extra in (("sync", ""), ("async", " --config.rollout.async_depth=1"))),
         collect_sync_async, {"line": sync_async_line}),
+    "reproduction_smollm2": Figure(("python scripts/reproduce.py --task smollm2 --out {out}",),
+                                   _read_json("reproduction.json"), {"table": reproduction_table}),
     "bench_opd_step": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE", "table"),
     "bench_rollout": _recorded("PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE", "table"),
     "bench_rollout_vllm": _recorded("PYTHONPATH=. python bench/rollout_vllm.py --out FILE", "table"),
