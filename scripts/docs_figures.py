@@ -382,6 +382,8 @@ FIGURES: dict[str, Figure] = {
                                          "process CPU s / wall s"))}),
     "ttq_disaggregated": Figure(("python scripts/time_to_quality.py --out {out}",), collect_ttq,
                                 {"table": ttq_table, "speedups": ttq_speedups}),
+    "ttq_teacher_engine": Figure(("python scripts/time_to_quality.py --teacher-scoring engine --out {out}",),
+                                 collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
     "ttq_worked": Figure(("python scripts/time_to_quality.py --config configs/demo_worked.py --out {out}",),
                          collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
     "smollm2_vllm_async": Figure(tuple(
