@@ -220,7 +220,7 @@ def ttq_table(r: dict) -> str:
   target, steps = res["targets"]["accuracy"], res["steps"]
   for name in dict.fromkeys(x["config"] for x in res["runs"]):
     rs = [x for x in res["runs"] if x["config"] == name]
-    med = lambda k: sorted(x[k] for x in rs)[len(rs) // 2]  # noqa: E731
+    med = lambda k, rs=rs: sorted(x[k] for x in rs)[len(rs) // 2]  # noqa: E731
     rows.append([name, f"{sum(x['seconds_to_accuracy'] is not None for x in rs)}/{len(rs)}",
                  _seeds(x["seconds_to_accuracy"] for x in rs), _seeds(x["wall_s_at_equal_steps"] for x in rs),
                  f"{med('final_accuracy'):.3f}",
