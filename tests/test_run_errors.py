@@ -40,7 +40,8 @@ def test_unreachable_or_malformed_vllm_url_writes_nothing(tmp_path, capsys, url,
 def test_ctrl_c_is_one_line_and_the_same_command_resumes(demo_cache, tmp_path):
   out = tmp_path / "run"
   cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", "configs/demo.py", "--out", str(out),
-         "--config.train.steps=400", "--config.train.checkpoint_every=2", "--config.train.eval_every=50"]
+         # Far more steps than the wait needs (an idle box ran 400 demo steps before the signal landed).
+         "--config.train.steps=20000", "--config.train.checkpoint_every=2", "--config.train.eval_every=50"]
   env = {**os.environ, "OPDJAX_CACHE": demo_cache}
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   latest = out / "checkpoints" / "latest"
@@ -49,11 +50,16 @@ def test_ctrl_c_is_one_line_and_the_same_command_resumes(demo_cache, tmp_path):
   def saved() -> bool:
     return latest.is_dir() and any(d.isdigit() and int(d) >= 4 for d in os.listdir(latest))
 
-  while time.time() < deadline and not saved():
-    assert proc.poll() is None, proc.communicate()
-    time.sleep(0.2)
-  proc.send_signal(signal.SIGINT)
-  _, err = proc.communicate(timeout=120)
+  try:
+    while time.time() < deadline and not saved():
+      assert proc.poll() is None, proc.communicate()
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:  # the signal did not stop it: fail without leaving it running
+      proc.kill()
+      proc.communicate()
   assert proc.returncode == 130, err
   assert "Traceback" not in err, err
   last = err.strip().splitlines()[-1]
