@@ -128,7 +128,7 @@ def collect_pytest(run: str) -> dict:
   """A pytest run's summary line ('N passed, M skipped ... in S s') and its slowest tests
   (`--durations`), from its output."""
   text = _stdout(run)
-  m = re.search(r"=+ (.*?) in ([\d.]+)s", text.strip().splitlines()[-1] if text.strip() else "")
+  m = re.search(r"(?:=+ )?(.*?) in ([\d.]+)s", text.strip().splitlines()[-1] if text.strip() else "")
   if not m:
     raise DocsError(f"no pytest summary line at the end of {os.path.dirname(run)}/stdout0.txt")
   counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", m.group(1))}
@@ -139,7 +139,9 @@ def collect_pytest(run: str) -> dict:
 def pytest_time(r: dict) -> str:
   res = r["result"]
   m, s = divmod(round(res["pytest_s"]), 60)
-  return f"{m} min {s} s ({res['counts'].get('passed', 0)} passed, {res['counts'].get('skipped', 0)} skipped)"
+  failed = res["counts"].get("failed", 0)
+  return (f"{m} min {s} s ({res['counts'].get('passed', 0)} passed, {res['counts'].get('skipped', 0)} skipped"
+          + (f", {failed} failed" if failed else "") + ")")
 
 
 def wall_time(r: dict) -> str:
