@@ -99,6 +99,7 @@ def test_the_loop_disaggregated_trains_on_the_colocated_loops_rollouts(demo_cach
   assert [r["loss"] for r in loop.records] == pytest.approx([r["loss"] for r in want], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_async_disaggregated_samples_in_the_sidecar_as_the_lag_run_does(demo_cache):
   """Async k=1 exact with the engine in its own process: the producer uses the session's sidecar (no
   device copy of each version in the trainer's process) and trains as the synchronous lag=1 run."""
@@ -198,6 +199,7 @@ def test_the_sidecars_teacher_hidden_states_line_up_with_the_batch_and_honour_th
     session.close()
 
 
+@pytest.mark.slow
 def test_async_with_the_teacher_scored_in_the_sidecar_trains_as_the_lag_run(demo_cache):
   from opdjax.pipeline.loop import run_loop
   from opdjax.pipeline.session import Session
