@@ -16,6 +16,7 @@ import shlex
 from opdjax.errors import UserError
 from opdjax.models.decoder import REMAT_POLICIES
 from opdjax.rollout.base import SamplingParams
+from opdjax.tasks.addition import ANSWERS
 
 # Files named by the config (task.path, train.budget) are checked to exist, except while a command
 # prints commands for another machine (`opdjax launch sidecar`, the launchers' --dry-run), where the
@@ -68,7 +69,7 @@ class TaskConfig:
   def check(self):
     check_choice("task.name", self.name, TASKS)
     check_positive("task.num_eval", self.num_eval)
-    check_choice("task.answer", self.answer, ("sum", "worked"))
+    check_choice("task.answer", self.answer, ANSWERS)
     if self.name == "prompts":
       if not self.path:
         raise UserError("task.path is empty: task.name='prompts' needs a JSONL of prompts (or builtin:NAME).")
