@@ -118,8 +118,17 @@ FAKE_SERVER = textwrap.dedent("""
     import http.server, json, os, sys, threading
     lock = threading.RLock()  # one record per write, as vLLM's logging does: concurrent handlers never interleave
     arg = lambda flag, default: sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
+    import time
     with open(os.environ["FAKE_STARTS"], "a") as f:
       f.write(json.dumps(sys.argv) + "\\n")
+    events = os.environ.get("FAKE_EVENTS")  # when each server started and first answered /health
+    def event(what):
+      if events:
+        with open(events, "a") as f:
+          f.write(json.dumps([what, arg("--port", ""), time.time()]) + "\\n")
+    event("start")
+    time.sleep(float(os.environ.get("FAKE_LOAD_S", "0")))  # loading the model
+    healthy = []
 
     def say(proc, level, where, lines):
       with lock:
@@ -142,6 +151,8 @@ FAKE_SERVER = textwrap.dedent("""
         pass
 
       def do_GET(self):
+        if self.path.startswith("/health") and not healthy:
+          healthy.append(event("health"))
         data = json.dumps(info if self.path.startswith("/server_info") else {"data": []}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))

@@ -140,12 +140,16 @@ def _model_of(argv: list[str]) -> str:
   return argv[argv.index("--model") + 1]
 
 
-def test_the_factory_starts_each_of_several_servers_and_close_stops_them(fake_python, tmp_path):
-  """rollout.vllm.num_servers=2 through `make_vllm_engine` (a fake server: no vLLM): two servers, one
-  after the other, each on its own port with its own log, behind one MultiVllmEngine. Both start from
-  OUT/vllm-init, which leaves OUT once both have loaded it: the engine holds it, and a server that dies
-  before the first sync restarts from it."""
+def test_the_factory_starts_each_of_several_servers_and_close_stops_them(fake_python, tmp_path, monkeypatch):
+  """rollout.vllm.num_servers=2 through `make_vllm_engine` (a fake server: no vLLM): two servers that
+  load at the same time (the second starts before the first answers /health), each on its own port
+  with its own log, behind one MultiVllmEngine. Both start from OUT/vllm-init, which leaves OUT once
+  both have loaded it: the engine holds it, and a server that dies before the first sync restarts
+  from it."""
   python, starts = fake_python
+  events = tmp_path / "events"
+  monkeypatch.setenv("FAKE_EVENTS", str(events))
+  monkeypatch.setenv("FAKE_LOAD_S", "2")
   params = Model(MODEL).init(jax.random.key(0))
   eng = make_vllm_engine(_vllm_config(num_servers=2, python=python), MODEL, params, max_len=128, batch_size=8,
                          max_new_tokens=6, pad_id=0, eos_ids=(), out_dir=str(tmp_path))
@@ -155,6 +159,11 @@ def test_the_factory_starts_each_of_several_servers_and_close_stops_them(fake_py
     assert [s.log_path for s in servers] == [str(tmp_path / "vllm-0.log"), str(tmp_path / "vllm-1.log")]
     argvs = [json.loads(line) for line in starts.read_text().splitlines()]
     assert len(argvs) == 2 and all(_model_of(a) == str(tmp_path / "vllm-init") for a in argvs)
+    seen = [json.loads(line) for line in events.read_text().splitlines()]
+    started = {port: t for what, port, t in seen if what == "start"}
+    first_healthy = min(t for what, _, t in seen if what == "health")
+    assert len(started) == 2 and max(started.values()) < first_healthy, seen  # loading side by side
+    monkeypatch.setenv("FAKE_LOAD_S", "0")
     held = eng.weights_path
     assert not (tmp_path / "vllm-init").exists() and os.path.isfile(os.path.join(held, "model.safetensors"))
     assert [e.weights_path for e in eng.engines] == [held, held]

@@ -219,7 +219,7 @@ class PinnedVllmServer(VllmServer):
     self._pinned = False
     self._mask: list[int] | None = None
 
-  def start(self) -> PinnedVllmServer:
+  def launch(self) -> PinnedVllmServer:
     if self.running:
       return self
     if not self._pinned:
@@ -228,13 +228,9 @@ class PinnedVllmServer(VllmServer):
     self._mask = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, self.cpus)
     try:
-      return super().start()
+      return super().launch()
     finally:
-      self._restore()
-
-  def _wait_healthy(self) -> None:
-    self._restore()  # the child exists: this thread goes back to the trainer's cores
-    super()._wait_healthy()
+      self._restore()  # the child exists: this thread goes back to the trainer's cores
 
   def _restore(self) -> None:
     if self._mask is not None:

@@ -110,6 +110,13 @@ def untied_head(vcfg, cfg: ModelConfig) -> bool:
   return cfg.tie_word_embeddings and gpu_capabilities(getattr(vcfg, "gpus", "")) is None
 
 
+def gpus_apart(vcfg) -> bool:
+  """The servers opdjax starts may load at the same time: on CPU (each has its own KV cache space),
+  or on GPUs of their own (`rollout.vllm.gpus`). Servers sharing a GPU start one after another, as
+  each sizes its memory from what the GPU has free."""
+  return bool(getattr(vcfg, "gpus", "").strip()) or gpu_capabilities() is None
+
+
 def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out_dir: str, index: int | None = None,
                      host: str = "127.0.0.1", port: int | None = None, gpu: bool | None = None) -> VllmServer:
   """The server `rollout.vllm` describes, serving `model_dir` (not started). `index`: the i-th of
@@ -177,13 +184,20 @@ def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: in
   else:
     engines: list[VllmEngine] = []
     try:
-      for server in servers:  # one at a time: each start waits for its /health
+      if gpus_apart(vcfg):  # every server loads at once; each engine then waits for its own /health
+        for server in servers:
+          if isinstance(server, VllmServer):
+            server.launch()
+      for server in servers:
         engines.append(VllmEngine(server, student_cfg, **{**kw, "export_dir": None}))
       engine = MultiVllmEngine(engines, student_cfg, pad_id=pad_id, eos_ids=tuple(eos_ids), export_dir=export_dir,
                                **probe)
     except BaseException:
       for e in engines:
         e.close()
+      for server in servers:  # launched, but no engine took it yet
+        if isinstance(server, VllmServer):
+          server.stop()
       raise
   if not urls:  # every server has loaded it: the engine holds it (restarts start from it) until the first sync
     try:

@@ -208,7 +208,7 @@ class VllmEngine(VllmEngineBase):
     """`shm`: exports go through /dev/shm when this engine starts a local server (one trainer process
     writes them and the server reads them on this host) and the model fits there twice."""
     self._server = server if isinstance(server, VllmServer) else None
-    self._owns_server = self._server is not None and not self._server.running
+    self._owns_server = self._server is not None and not self._server.ready  # launched here or by the factory
     if self._server is not None:
       self._server.start()
       api_key = self._server.api_key if api_key is None else api_key

@@ -124,7 +124,7 @@ def first_error_block(lines: Iterable[str], max_lines: int = 30, width: int = 40
 class VllmServer:
   """vLLM's OpenAI-compatible server as a child process in its own process group.
 
-  `start()` launches it and waits for `GET /health`; `stop()` (also run at exit and by the
+  `start()` launches it and waits for `GET /health` (`launch()` only launches it); `stop()` (also run at exit and by the
   context manager, so Ctrl-C stops it too) terminates the whole group. It always runs with
   `VLLM_SERVER_DEV_MODE=1` (weight reload, prefix-cache reset and config check are dev
   endpoints; vLLM's API key does not guard them, hence 127.0.0.1 by default), token-id prompts
@@ -168,6 +168,7 @@ class VllmServer:
     self._log_start = 0  # where this run's part of the (appended) log begins
     self._proc: subprocess.Popen | None = None
     self._port: int | None = None
+    self._healthy = False
 
   def _check_access(self) -> None:
     if self.token is not None:
@@ -213,9 +214,32 @@ class VllmServer:
     return self._proc is not None and self._proc.poll() is None
 
   def start(self) -> VllmServer:
+    """Launches the server (unless `launch()` did) and waits until /health answers."""
+    if self.ready:
+      return self
+    if not self.running:
+      self.launch()
+    try:
+      self._wait_healthy()
+    except BaseException:  # Ctrl-C while loading too
+      self.stop()
+      raise
+    self._healthy = True
+    return self
+
+  @property
+  def ready(self) -> bool:
+    """Running and seen healthy since it was launched (`start()` returned)."""
+    return self.running and self._healthy
+
+  def launch(self) -> VllmServer:
+    """Starts the server's process and returns at once; `start()` then waits for its /health.
+    Several servers launched first load at the same time (their imports and engine start-up take
+    most of a start)."""
     if self.running:
       return self
     self._check_access()
+    self._healthy = False
     self._port = self.port or _free_port(self.host)
     env = {**os.environ, **self.env, "VLLM_SERVER_DEV_MODE": "1", "OPDJAX_PARENT_PID": str(os.getpid())}
     if self.api_key:
@@ -237,11 +261,6 @@ class VllmServer:
                                     env=env, start_new_session=True)
     atexit.register(self.stop)
     _STARTED.add(self)
-    try:
-      self._wait_healthy()
-    except BaseException:  # Ctrl-C while loading too
-      self.stop()
-      raise
     return self
 
   def _wait_healthy(self) -> None:
@@ -265,6 +284,7 @@ class VllmServer:
   def stop(self, timeout_s: float = 30.0) -> None:
     """SIGTERM to the whole process group, SIGKILL to whatever is left after `timeout_s`."""
     proc, self._proc = self._proc, None
+    self._healthy = False
     atexit.unregister(self.stop)
     _STARTED.discard(self)
     if proc is None:
