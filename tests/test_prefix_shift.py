@@ -147,11 +147,15 @@ def test_view_params_match_engine_view_transform(setup):
 
 def test_sweep_points_reuse_one_compilation(setup):
   ps, student, *_ = setup
+  # jax.jit(combo_gram) shares its cache with every other jit of that function in this process (another
+  # test's sweep of other shapes may have filled it): what counts is that this sweep adds at most one.
+  gram_before = ps.gram._cache_size()
   for spec in ("noise_sigma=0.01", "noise_sigma=0.1", "weights=fp8", "weights=fp8_e5m2", "lag=1", "lag=2"):
     _measure(setup, spec)
   signals, engine = ps.signals_fn(student), ps.engine(student)._fn(SP)
   assert signals._cache_size() == 1 and engine._cache_size() == 1
-  assert ps.views.compiled()["noise"] == 1 and ps.gram._cache_size() == 1
+  assert ps.views.compiled()["noise"] == 1 and ps.gram._cache_size() - gram_before <= 1
+  assert ps.gram._cache_size() >= 1  # (the sweep did use it)
 
 
 @pytest.mark.slow

