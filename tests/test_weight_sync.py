@@ -180,12 +180,12 @@ def test_every_mesh_split_is_traded_for_whole_rows_without_a_gather(tmp_path):
 
 # --- two trainer processes x two host devices --------------------------------------------------
 
-def _two_processes(code: str, tmp_path, *args, timeout: int = 900) -> list[dict]:
+def _two_processes(code: str, tmp_path, *args, timeout: int = 900, env: dict | None = None) -> list[dict]:
   """`code` as processes 0 and 1 of one run (2 host devices each); each prints one JSON line last."""
   from tests.test_parallel import free_port
 
   port = free_port()
-  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "2"}
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "2", **(env or {})}
   env.pop("OPDJAX_FAULT", None)
   logs = [tmp_path / f"p{i}.log" for i in range(2)]
   procs = []
@@ -289,7 +289,10 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_two_processes_write_their_own_shards_and_neither_holds_the_model(tmp_path):
-  a, b = _two_processes(PEAK, tmp_path, tmp_path)
+  # Buffers of 1 MiB and more are mmapped, so freeing one returns it: the high-water mark counts what
+  # is alive at once. (glibc's adaptive threshold otherwise moves freed leaf-sized buffers to its heap
+  # and keeps them: one process measured 71 MB, the other 146, for the same export beside other jobs.)
+  a, b = _two_processes(PEAK, tmp_path, tmp_path, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
   print(f"\nexport peak per process: {a['shard_peak'] / 1e6:.0f} / {b['shard_peak'] / 1e6:.0f} MB shard-wise,"
         f" {a['gather_peak'] / 1e6:.0f} / {b['gather_peak'] / 1e6:.0f} MB gathered; model {a['bf16'] / 1e6:.0f} MB"
         " in bf16")
