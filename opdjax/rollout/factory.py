@@ -110,7 +110,7 @@ def untied_head(vcfg, cfg: ModelConfig) -> bool:
   return cfg.tie_word_embeddings and gpu_capabilities(getattr(vcfg, "gpus", "")) is None
 
 
-def gpus_apart(vcfg) -> bool:
+def servers_load_together(vcfg) -> bool:
   """The servers opdjax starts may load at the same time: on CPU (each has its own KV cache space),
   or on GPUs of their own (`rollout.vllm.gpus`). Servers sharing a GPU start one after another, as
   each sizes its memory from what the GPU has free."""
@@ -184,7 +184,7 @@ def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: in
   else:
     engines: list[VllmEngine] = []
     try:
-      if gpus_apart(vcfg):  # every server loads at once; each engine then waits for its own /health
+      if servers_load_together(vcfg):  # every server loads at once; each engine then waits for its own /health
         for server in servers:
           if isinstance(server, VllmServer):
             server.launch()

@@ -217,8 +217,7 @@ class VllmServer:
     """Launches the server (unless `launch()` did) and waits until /health answers."""
     if self.ready:
       return self
-    if not self.running:
-      self.launch()
+    self.launch()  # (returns at once when `launch()` already started it)
     try:
       self._wait_healthy()
     except BaseException:  # Ctrl-C while loading too
@@ -239,7 +238,7 @@ class VllmServer:
     if self.running:
       return self
     self._check_access()
-    self._healthy = False
+    self._healthy = False  # (also after a process that died unstopped: `ready` waits for this one's /health)
     self._port = self.port or _free_port(self.host)
     env = {**os.environ, **self.env, "VLLM_SERVER_DEV_MODE": "1", "OPDJAX_PARENT_PID": str(os.getpid())}
     if self.api_key:
@@ -284,7 +283,6 @@ class VllmServer:
   def stop(self, timeout_s: float = 30.0) -> None:
     """SIGTERM to the whole process group, SIGKILL to whatever is left after `timeout_s`."""
     proc, self._proc = self._proc, None
-    self._healthy = False
     atexit.unregister(self.stop)
     _STARTED.discard(self)
     if proc is None:
