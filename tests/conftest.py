@@ -25,11 +25,27 @@ def jax_compilation_cache(tmp_path_factory):
   """One persistent JAX compilation cache for the session, this process and every `opdjax` subprocess
   the tests start (they inherit the environment): the same train step, engine and scorer programs are
   compiled by dozens of runs (resumed, killed, 1 vs 4 devices, in-process CLI calls), and a cached
-  executable is the one XLA compiled, so results are the same bit for bit. Fresh each session (a
-  cache never hides a compile problem); JAX_COMPILATION_CACHE_DIR set beforehand is kept."""
+  executable is the one XLA compiled, so results are the same bit for bit. Every program is kept, not
+  only those over JAX's default second of compiling: a demo run's many small programs took a warm
+  run from 7.2 to 5.9 CPU-s. Fresh each session (a cache never hides a compile problem);
+  JAX_COMPILATION_CACHE_DIR set beforehand is kept."""
   path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or _session_dir(tmp_path_factory, "jax-compilation-cache")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+  return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_cache_root(tmp_path_factory):
+  """One VLLM_CACHE_ROOT for the session's vLLM servers, the factory's included (it takes the
+  environment's), shared by the workers: vLLM inspects a model class in a subprocess that imports
+  vLLM (10 of a start's 32 CPU-s on 2 cores) unless this cache has the class, so once per session,
+  not once per run folder. VLLM_CACHE_ROOT set beforehand is kept."""
+  path = os.environ.get("VLLM_CACHE_ROOT") or _session_dir(tmp_path_factory, "vllm-cache")
+  os.environ["VLLM_CACHE_ROOT"] = path
   return path
 
 
@@ -109,9 +125,7 @@ def vllm_tiny(random_params, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_home(tmp_path_factory):
-  """The session's vLLM folder: the session server's --out, and (`helpers.vllm_env`) the VLLM_CACHE_ROOT
-  of every vLLM the tests start, so that vLLM inspects a model class once per session (a subprocess
-  importing vLLM: a quarter of a cold start), not once per start."""
+  """The session's vLLM folder: the session server's --out."""
   return tmp_path_factory.mktemp("vllm-home")
 
 
@@ -177,6 +191,25 @@ SLOWEST_FILES = ("test_async_multi.py", "test_weight_sync.py", "test_parallel.py
                  "test_async.py", "test_run_errors.py", "test_checkpoint.py", "test_admission.py", "test_fetch.py")
 
 
+# The files whose tests use the session's vLLM server (`vllm_engine`): pytest-xdist gives them to one
+# worker as one unit, so the server starts once a session (35-55 s on 2 cores), not once a worker.
+SESSION_SERVER_FILES = ("test_vllm.py", "test_vllm_multi.py", "test_vllm_auth.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+  """--dist loadfile, with the SESSION_SERVER_FILES in one work unit."""
+  if config.getoption("dist") != "loadfile":
+    return None
+  from xdist.scheduler import LoadFileScheduling
+
+  class Scheduling(LoadFileScheduling):
+    def _split_scope(self, nodeid):
+      scope = super()._split_scope(nodeid)
+      return "the session's vLLM server" if os.path.basename(scope) in SESSION_SERVER_FILES else scope
+
+  return Scheduling(config, log)
+
+
 def pytest_xdist_auto_num_workers(config):
   """`-n auto`: a worker per usable core, at most one per 8 GiB of memory (a worker may run two vLLM
   servers and two trainer processes) and at most 4 (vLLM on CPU binds its threads from core 0 up)."""
@@ -186,11 +219,17 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
-  """The slowest files first (SLOWEST_FILES; a stable sort: each file's tests keep their order).
+  """The slowest files first (SLOWEST_FILES; a stable sort: each file's tests keep their order); a
+  file using the session's vLLM server outside SESSION_SERVER_FILES is refused (it would start a second).
   Tests that start vLLM (35-45 s a server on 2 cores) belong to the full suite, not the fast tier
   (`-m "not slow"`); tests marked `gpu` are skipped, with the reason shown, when JAX sees no GPU."""
   rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+  apart = sorted({item.path.name for item in items if "vllm_engine" in getattr(item, "fixturenames", ())
+                  and item.path.name not in SESSION_SERVER_FILES})
+  if apart:
+    raise pytest.UsageError(f"{', '.join(apart)} use(s) the session's vLLM server: add the file(s) to"
+                            " SESSION_SERVER_FILES in tests/conftest.py (one worker runs them, one server starts)")
   for item in items:
     if "vllm" in item.keywords:
       item.add_marker(pytest.mark.slow)

@@ -18,9 +18,10 @@ VLLM_MODEL = dict(model_type="llama", vocab_size=256, hidden_size=64, intermedia
 
 
 def vllm_env(home) -> dict:
-  """Environment for a vLLM the tests start: caches under the session's `vllm_home` (the folder the
-  factory's servers use for an --out of `home`), never $HOME, and a 1 GiB CPU KV cache."""
-  return {"VLLM_CACHE_ROOT": os.path.join(home, "vllm-cache"), "VLLM_CPU_KVCACHE_SPACE": "1"}
+  """Environment for a vLLM the tests start: the session's vLLM caches (conftest's `vllm_cache_root`,
+  which the factory's servers use too; else under `home`), never $HOME, and a 1 GiB CPU KV cache."""
+  return {"VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or os.path.join(home, "vllm-cache"),
+          "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def log_softmax(z):

@@ -101,6 +101,15 @@ def test_each_server_gets_its_share_and_vllms_thread_binding(tmp_path):
   assert type(plain) is VllmServer and cpus.BIND_ENV not in plain.env
 
 
+def test_the_servers_use_the_environments_vllm_cache_root_else_their_own(tmp_path, monkeypatch):
+  monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+  server = make_vllm_server(_vcfg(), "model", max_len=32, batch_size=4, out_dir=str(tmp_path))
+  assert server.env["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache")  # never $HOME unasked
+  monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "shared"))
+  server = make_vllm_server(_vcfg(), "model", max_len=32, batch_size=4, out_dir=str(tmp_path), index=1)
+  assert server.env["VLLM_CACHE_ROOT"] == str(tmp_path / "shared")  # as vLLM itself reads it: runs share it
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 def test_a_started_server_runs_on_its_cores_and_the_trainer_on_the_others(fake_python, tmp_path):
   python, _ = fake_python

