@@ -178,6 +178,29 @@ def test_unknown_model_type_is_rejected(tmp_path):
     load_hf_params(str(tmp_path))
 
 
+def test_a_folder_another_process_writes_meanwhile_is_kept_and_ours_cleaned_up(tmp_path, random_params,
+                                                                               monkeypatch):
+  """Two processes building one cache entry (the demo models of two trainer processes): the one that
+  renames second gets FileExistsError (the cache's "use the other copy"), the first's folder stays."""
+  from opdjax.models import hf_io
+
+  cfg = expected_config(CASES["qwen2-untied"])
+  params = random_params(Model(cfg), seed=0)
+  target = tmp_path / "out"
+  save_file = hf_io.save_file
+
+  def other_process_finishes_first(tensors, filename, metadata=None):
+    if not target.exists():
+      monkeypatch.setattr(hf_io, "save_file", save_file)
+      hf_io.save_hf_params(params, cfg, str(target))
+    save_file(tensors, filename, metadata=metadata)
+
+  monkeypatch.setattr(hf_io, "save_file", other_process_finishes_first)
+  with pytest.raises(FileExistsError, match="written by another process meanwhile"):
+    hf_io.save_hf_params(params, cfg, str(target))
+  assert sorted(os.listdir(tmp_path)) == ["out"] and sorted(os.listdir(target)) == ["config.json", "model.safetensors"]
+
+
 def test_save_refuses_non_empty_folder_and_leaves_it_untouched(tmp_path, random_params):
   cfg = expected_config(CASES["qwen2-untied"])
   params = random_params(Model(cfg), seed=0)

@@ -150,12 +150,16 @@ def test_refused_train_leaves_nothing_and_a_retry_is_refused_too(demo_cache, tmp
 
 
 @pytest.mark.slow
-def test_resume_refuses_meaning_changes_and_records_extensions(demo_cache, tmp_path, capsys):
+def test_resume_refuses_meaning_changes_and_records_extensions(demo_cache, tmp_path, capsys, monkeypatch):
+  from opdjax.pipeline import run
+
   out = tmp_path / "run"
   assert _train(out, "--config.train.steps=2") == 0
   config_before = (out / "config.json").read_text()
   metrics_before = (out / "metrics.jsonl").read_text()
   capsys.readouterr()
+  session = run.Session
+  monkeypatch.setattr(run, "Session", None)  # refused from OUT/config.json: no model loads, no server starts
   for change, key in (("--config.loss.kind=jsd", "loss.kind"), ("--config.optim.learning_rate=0.05",
                                                                  "optim.learning_rate"),
                       ("--config.rollout.view=lag=1", "rollout.view"), ("--config.seed=3", "seed")):
@@ -163,6 +167,11 @@ def test_resume_refuses_meaning_changes_and_records_extensions(demo_cache, tmp_p
     err = capsys.readouterr().err
     assert key in err and "change what the run means" in err, err
     assert (out / "metrics.jsonl").read_text() == metrics_before
+  os.rename(out / "config.json", out / "config.json.away")
+  monkeypatch.setattr(run, "Session", session)
+  assert _train(out, "--config.train.steps=2", "--config.seed=3") == 2  # without it, the checkpoint's config says so
+  assert "seed" in capsys.readouterr().err
+  os.rename(out / "config.json.away", out / "config.json")
   assert _train(out, "--config.train.steps=3", "--config.train.eval_every=2") == 0
   captured = capsys.readouterr()
   assert "resuming with train.steps changed: 2 -> 3" in captured.err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -167,6 +168,12 @@ def save_hf_params(params, cfg: ModelConfig, path: str, extra_files: dict[str, s
   for name, text in (extra_files or {}).items():
     with open(os.path.join(tmp, name), "w") as f:
       f.write(text)
-  if os.path.exists(path):
-    os.rmdir(path)
-  os.replace(tmp, path)
+  try:
+    if os.path.exists(path):
+      os.rmdir(path)  # (empty: checked above)
+    os.replace(tmp, path)
+  except OSError as e:  # another process wrote `path` meanwhile (two trainer processes building one cache entry)
+    shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.isdir(path) and os.listdir(path):
+      raise FileExistsError(f"{path} was written by another process meanwhile (nothing was overwritten).") from e
+    raise

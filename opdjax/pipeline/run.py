@@ -86,6 +86,10 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
     raise UserError(f"--resume: no checkpoint under {ckpt_dir}.")
   if has_ckpt and resume == "never":
     raise UserError(f"{out_dir} already holds a run's checkpoints; pass a new --out folder.")
+  config_path = os.path.join(out_dir, "config.json")
+  if resuming and os.path.isfile(config_path):  # the run's config: refused before models load or servers start
+    with open(config_path) as f:
+      _resumable_changes(out_dir, json.load(f), cfg, early=True)
   if cfg.rollout.async_depth and cfg.rollout.engine == "jax":
     _host_devices()
   if jax.process_index() == 0:  # process 0 drives the servers
@@ -106,6 +110,19 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
     raise Interrupted(e.step, f"interrupted during step {e.step}; the same command {where}.") from None
   finally:
     session.close()
+
+
+def _resumable_changes(out_dir: str, old: dict, cfg: Config, early: bool = False) -> dict:
+  """The changes a resume of the run written with config `old` may make (config_changes' allowed);
+  any other change is refused, naming the keys. `early` (from OUT/config.json, before the models
+  load) leaves a changed student to the checkpoint's model check, which names the differing shapes."""
+  refused, changes = config_changes(old, cfg.to_dict())
+  if refused and not (early and any(k.startswith("student.") for k in refused)):
+    listed = "; ".join(f"{k}: {a!r} in the run, {b!r} now" for k, (a, b) in list(refused.items())[:8])
+    raise UserError(f"{out_dir} holds a run with another config ({listed}). These change what the run means;"
+                    " resume with the config it was written with, or pass a new --out folder. Nothing was"
+                    " overwritten.")
+  return changes
 
 
 def _host_devices() -> None:
@@ -136,13 +153,11 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     except BaseException:
       ckpt.close()
       raise
-    refused, changes = config_changes(old_cfg, cfg.to_dict())
-    if refused:
+    try:
+      changes = _resumable_changes(out_dir, old_cfg, cfg)
+    except UserError:
       ckpt.close()
-      listed = "; ".join(f"{k}: {a!r} in the run, {b!r} now" for k, (a, b) in list(refused.items())[:8])
-      raise UserError(f"{out_dir} holds a run with another config ({listed}). These change what the run means;"
-                      " resume with the config it was written with, or pass a new --out folder. Nothing was"
-                      " overwritten.")
+      raise
     for k, (a, b) in changes.items():
       print(f"opdjax: resuming with {k} changed: {a!r} -> {b!r}", file=sys.stderr)
   else:
