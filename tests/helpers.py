@@ -17,11 +17,11 @@ VLLM_MODEL = dict(model_type="llama", vocab_size=256, hidden_size=64, intermedia
                   num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=VLLM_MAX_MODEL_LEN)
 
 
-def vllm_env(home) -> dict:
-  """Environment for a vLLM the tests start: the session's vLLM caches (conftest's `vllm_cache_root`,
-  which the factory's servers use too; else under `home`), never $HOME, and a 1 GiB CPU KV cache."""
-  return {"VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or os.path.join(home, "vllm-cache"),
-          "VLLM_CPU_KVCACHE_SPACE": "1"}
+def vllm_env() -> dict:
+  """Environment for a vLLM the tests start: the session's vLLM caches (conftest's autouse
+  `vllm_cache_root` sets VLLM_CACHE_ROOT, which the factory's servers use too), never $HOME, and a
+  1 GiB CPU KV cache."""
+  return {"VLLM_CACHE_ROOT": os.environ["VLLM_CACHE_ROOT"], "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def log_softmax(z):

@@ -311,7 +311,7 @@ def test_cli_models_fetch_unknown_name(capsys):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, vllm_home, monkeypatch):
+def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, monkeypatch):
   """The same folder in vLLM (in-process): the answer says Paris, token for token the JAX engine's."""
   from transformers import AutoTokenizer
 
@@ -325,7 +325,7 @@ def test_vllm_greedy_answer_matches_the_jax_engine(folder, opdjax_model, vllm_ho
   model, params = opdjax_model
   sp = SamplingParams(max_new_tokens=16, temperature=0.0)
   # The engine core in this process (no child left behind to keep pytest from exiting).
-  for k, v in {**vllm_env(vllm_home), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+  for k, v in {**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind"}.items():
     monkeypatch.setenv(k, v)
   engine = VllmInProcessEngine(folder, model.cfg, pad_id=tok.pad_token_id, eos_ids=(tok.eos_token_id,),

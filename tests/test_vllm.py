@@ -352,10 +352,10 @@ def test_a_batch_of_64_long_prompts_samples_whole(engine, server, params, score)
 
 
 @pytest.mark.vllm
-def test_a_server_that_dies_while_starting_quotes_its_first_error(model_dir, vllm_home, tmp_path):
+def test_a_server_that_dies_while_starting_quotes_its_first_error(model_dir, tmp_path):
   # vLLM refuses a step budget below max_model_len once chunked prefill is off: an error of its own.
   srv = VllmServer(model_dir, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
-                   max_num_batched_tokens=16, extra_args=["--no-enable-chunked-prefill"], env=vllm_env(vllm_home),
+                   max_num_batched_tokens=16, extra_args=["--no-enable-chunked-prefill"], env=vllm_env(),
                    log_path=str(tmp_path / "server.log"), startup_timeout_s=300)
   with pytest.raises(VllmError, match="exited with code 1 while starting") as err:
     srv.start()
@@ -548,10 +548,9 @@ def test_request_timeout_is_retried_then_a_clear_error(server, engine, model, pa
 
 
 @pytest.mark.vllm
-def test_in_process_engine_matches_rescoring_and_the_server(engine, model, model_dir, params, score, monkeypatch,
-                                                          vllm_home):
+def test_in_process_engine_matches_rescoring_and_the_server(engine, model, model_dir, params, score, monkeypatch):
   in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-  for k, v in {**vllm_env(vllm_home), **in_process}.items():
+  for k, v in {**vllm_env(), **in_process}.items():
     monkeypatch.setenv(k, v)
   t0 = time.perf_counter()
   # A step budget of 256 tokens: a batch larger than that goes in waves (a split prefill kills it).

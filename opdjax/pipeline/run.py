@@ -147,15 +147,11 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     ckpt = RunCheckpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, best_metric=cfg.train.best_metric)
     try:
       start, state, last_eval, history, old_cfg, meta = _resume(ckpt, state, session, fallback)
+      changes = _resumable_changes(out_dir, old_cfg, cfg)
       if "guard" in meta:  # the guard's backoffs so far: the resumed run samples as the run did at the checkpoint
         view, depth = EngineView(**meta["engine"]["view_fields"]), meta["engine"]["async_depth"]
         guard_state = meta["guard"]
     except BaseException:
-      ckpt.close()
-      raise
-    try:
-      changes = _resumable_changes(out_dir, old_cfg, cfg)
-    except UserError:
       ckpt.close()
       raise
     for k, (a, b) in changes.items():
