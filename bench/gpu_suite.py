@@ -41,7 +41,7 @@ import rollout  # noqa: E402
 
 # What the parts import (a test imports these with ml_collections blocked: the GPU image has none).
 SUITE_MODULES = ("jax", "flax", "optax", "torch", "transformers", "opdjax.models", "opdjax.models.decoder",
-                 "opdjax.models.quant", "opdjax.rollout", "opdjax.rollout.jax_engine", "opdjax.training.loss",
+                 "opdjax.models.quant", "opdjax.rollout", "opdjax.rollout.jax.engine", "opdjax.training.loss",
                  "opdjax.training.step", "opdjax.views.perturb")
 
 MODE = "gpu"
@@ -136,7 +136,7 @@ def part_engine(dry: bool, opts) -> dict:
 
   from opdjax.models import Model
   from opdjax.rollout import JaxEngine, SamplingParams
-  from opdjax.rollout.jax_engine import install_params
+  from opdjax.rollout.jax.engine import install_params
   from opdjax.views import perturb
 
   spec = ROLLOUT

@@ -14,7 +14,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -35,7 +34,7 @@ def main():
 
   from opdjax.models import Model, ModelConfig
   from opdjax.rollout import JaxEngine, SamplingParams
-  from opdjax.rollout.factory import make_vllm_engine
+  from opdjax.rollout.vllm.launch import make_vllm_engine
 
   s = SPEC
   cfg = ModelConfig(model_type="qwen3", vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
@@ -61,9 +60,9 @@ def main():
   jax_engine = JaxEngine(model, params, max_len=s["prompt"] + s["new"], pad_id=0, eos_ids=())
   jax_s = timed(lambda seed: jax.block_until_ready(jax_engine.generate(prompts, sp, seed=seed)))
   work = tempfile.mkdtemp(prefix="opdjax-bench-vllm-")
-  vcfg = types.SimpleNamespace(url="", dtype="float32", quantization="", kv_cache_dtype="", gpu_memory_utilization=0.0,
-                               tensor_parallel_size=1, enforce_eager=True, api_key="", python="", cpu_kvcache_gib=1,
-                               extra_args=())
+  from opdjax.config.schema import VllmConfig
+
+  vcfg = VllmConfig(dtype="float32")
   with make_vllm_engine(vcfg, cfg, params, max_len=s["prompt"] + s["new"], batch_size=s["batch"],
                         max_new_tokens=s["new"], pad_id=0, eos_ids=(), out_dir=work) as engine:
     vllm_s = timed(lambda seed: engine.generate(prompts, sp, seed=seed))

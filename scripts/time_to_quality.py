@@ -11,7 +11,7 @@ rotated order. Colocated (engine and trainer share every core: today's loop):
   async_k1_fp8   async_depth=1, exact mode, weights=fp8 view
 
 Disaggregated (rollout.placement=disaggregated: the JAX engine in a process of its own on half of the
-cores, the trainer on the rest, opdjax.rollout.jax_sidecar), the baseline async is built for (run after
+cores, the trainer on the rest, opdjax.rollout.jax.sidecar), the baseline async is built for (run after
 every colocated run, in a session of their own: the engine's process pins the trainer's threads):
 
   sync_disaggregated, async_k1_disaggregated, async_k2_disaggregated (exact),
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
   targets = {"accuracy": args.target_accuracy, "reverse_kl": args.target_reverse_kl}
   runs = []
   # One placement at a time, colocated first: a disaggregated engine's process pins this process's
-  # threads to the trainer's cores while it lives (opdjax.rollout.cpus), which a colocated run must not
+  # threads to the trainer's cores while it lives (opdjax.rollout.cores), which a colocated run must not
   # inherit. Within a placement, every function is compiled (warm-up runs) before any timed run.
   for placement in ("colocated", "disaggregated"):
     group = [n for n in names if CONFIGS[n][3] == placement]

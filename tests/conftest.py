@@ -143,8 +143,8 @@ def vllm_engine(vllm_tiny, vllm_home):
   session its close() must stop the real server it started, and vLLM's log must not show the token."""
   helpers.require_vllm()
   from opdjax.config.schema import VllmConfig
-  from opdjax.rollout.factory import make_vllm_engine
   from opdjax.rollout.vllm import auth
+  from opdjax.rollout.vllm.launch import make_vllm_engine
 
   model, params, _ = vllm_tiny
   out = vllm_home

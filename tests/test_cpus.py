@@ -1,17 +1,18 @@
-"""rollout.placement and rollout.vllm.cpus (opdjax.rollout.cpus): CPU lists, the config's and the
+"""rollout.placement and rollout.vllm.cpus (opdjax.rollout.deploy, cores, vllm.pinned): CPU lists, the config's and the
 start-up errors, the default split, the server's environment, and a started server really pinned to
 its cores with the trainer's threads on the others (the fake server of test_vllm: no vLLM)."""
 
 import os
-import types
 
+import helpers
 import pytest
 import test_vllm
 
 from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
-from opdjax.rollout import cpus
-from opdjax.rollout.factory import check_engine, make_vllm_server
+from opdjax.rollout import cores, deploy
+from opdjax.rollout.vllm import pinned
+from opdjax.rollout.vllm.launch import make_vllm_server
 from opdjax.rollout.vllm.server import VllmServer
 
 fake_python = test_vllm.fake_python  # its fixture: a fake vLLM server
@@ -25,8 +26,7 @@ def _cfg(placement="disaggregated", engine="vllm", **vllm):
 
 
 def _vcfg(**changes):
-  fields = {f: getattr(Config().rollout.vllm, f) for f in Config().rollout.vllm.__dataclass_fields__}
-  return types.SimpleNamespace(**{**fields, **changes})
+  return helpers.vllm_config(**changes)
 
 
 def _threads_affinity(pid="self"):
@@ -34,13 +34,13 @@ def _threads_affinity(pid="self"):
 
 
 def test_cpu_lists_parse_and_format():
-  assert cpus.parse_cpus("0,2-3, 7") == [0, 2, 3, 7]
-  assert cpus.format_cpus([7, 0, 2, 3, 4]) == "0,2-4,7"
-  assert cpus.format_cpus(cpus.parse_cpus("1-3,5")) == "1-3,5"
+  assert cores.parse_cpus("0,2-3, 7") == [0, 2, 3, 7]
+  assert cores.format_cpus([7, 0, 2, 3, 4]) == "0,2-4,7"
+  assert cores.format_cpus(cores.parse_cpus("1-3,5")) == "1-3,5"
   for bad in ("a", "3-1", "1-", ",", "-2"):
     with pytest.raises(UserError, match="CPU list"):
-      cpus.parse_cpus(bad)
-  assert cpus.omp_bind([2, 3, 4, 5], 2) == "2-3|4-5"
+      cores.parse_cpus(bad)
+  assert pinned.omp_bind([2, 3, 4, 5], 2) == "2-3|4-5"
 
 
 def test_the_config_refuses_what_cannot_be_placed():
@@ -55,50 +55,50 @@ def test_the_config_refuses_what_cannot_be_placed():
     _cfg(cpus="1", url="http://127.0.0.1:8000")
   with pytest.raises(UserError, match="pins the vLLM server; with rollout.engine='jax' leave it empty"):
     _cfg(engine="jax", cpus="1")
-  assert _cfg(engine="jax").rollout.placement == "disaggregated"  # its own process (opdjax.rollout.jax_sidecar)
+  assert _cfg(engine="jax").rollout.placement == "disaggregated"  # its own process (opdjax.rollout.jax.sidecar)
   assert _cfg(cpus="1").rollout.vllm.cpus == "1"  # a valid one builds
 
 
 def test_start_up_errors_name_the_fix():
   r = _cfg(cpus="5").rollout
   with pytest.raises(UserError, match=r"core\(s\) 5 this process may not use.*may use 0-1"):
-    cpus.core_split(r, allowed=[0, 1])
+    deploy.core_split(r, allowed=[0, 1])
   with pytest.raises(UserError, match="overlaps the trainer's cores.*rollout.vllm.cpus='1'"):
-    cpus.core_split(_cfg(cpus="0-1").rollout, allowed=[0, 1])
+    deploy.core_split(_cfg(cpus="0-1").rollout, allowed=[0, 1])
   with pytest.raises(UserError, match="at least 2 cores, this process may use 1 \\(0\\)"):
-    cpus.core_split(_cfg().rollout, allowed=[0])
+    deploy.core_split(_cfg().rollout, allowed=[0])
   with pytest.raises(UserError, match="do not split evenly into 2 server"):
-    cpus.core_split(_cfg(cpus="2-4", num_servers=2).rollout, allowed=list(range(8)))
-  if len(os.sched_getaffinity(0)) < 2:  # the factory's start-up check runs the same rules on this machine
+    deploy.core_split(_cfg(cpus="2-4", num_servers=2).rollout, allowed=list(range(8)))
+  if len(os.sched_getaffinity(0)) < 2:  # the Deployment's start-up check runs the same rules on this machine
     with pytest.raises(UserError, match="at least 2 cores"):
-      check_engine(_cfg().rollout)
+      deploy.plan(_cfg())
   else:
     with pytest.raises(UserError, match="may not use"):
-      check_engine(_cfg(cpus=str(os.cpu_count() + 3)).rollout)
+      deploy.plan(_cfg(cpus=str(os.cpu_count() + 3)))
 
 
 def test_the_default_split_gives_the_server_the_upper_half_in_whole_ranks():
-  assert cpus.core_split(_cfg().rollout, allowed=[0, 1]) == cpus.CoreSplit([1], [0])
-  assert cpus.core_split(_cfg().rollout, allowed=[0, 1, 2, 3, 4]) == cpus.CoreSplit([3, 4], [0, 1, 2])
-  assert cpus.core_split(_cfg(num_servers=2, tensor_parallel_size=2).rollout, allowed=list(range(6))).server == \
+  assert deploy.core_split(_cfg().rollout, allowed=[0, 1]) == cores.CoreSplit([1], [0])
+  assert deploy.core_split(_cfg().rollout, allowed=[0, 1, 2, 3, 4]) == cores.CoreSplit([3, 4], [0, 1, 2])
+  assert deploy.core_split(_cfg(num_servers=2, tensor_parallel_size=2).rollout, allowed=list(range(6))).server == \
       [2, 3, 4, 5]
-  assert cpus.core_split(_cfg(gpus="0").rollout, allowed=[0, 1]) is None  # disaggregated by its GPU
-  assert cpus.core_split(_cfg("colocated").rollout, allowed=[0, 1]) is None
-  assert cpus.core_split(_cfg(engine="jax").rollout, allowed=[0, 1, 2]) == cpus.CoreSplit([2], [0, 1])
-  if len(os.sched_getaffinity(0)) >= 2:  # what the factory's servers get on this machine
-    r = _cfg().rollout
-    assert cpus.server_config(r).vllm.cpus == cpus.format_cpus(cpus.core_split(r).server) != ""
+  assert deploy.core_split(_cfg(gpus="0").rollout, allowed=[0, 1]) is None  # disaggregated by its GPU
+  assert deploy.core_split(_cfg("colocated").rollout, allowed=[0, 1]) is None
+  assert deploy.core_split(_cfg(engine="jax").rollout, allowed=[0, 1, 2]) == cores.CoreSplit([2], [0, 1])
+  if len(os.sched_getaffinity(0)) >= 2:  # what the started servers get on this machine
+    cfg = _cfg()
+    assert deploy.plan(cfg).rollout.vllm.cpus == cores.format_cpus(deploy.core_split(cfg.rollout).server) != ""
 
 
 def test_each_server_gets_its_share_and_vllms_thread_binding(tmp_path):
   v = _vcfg(cpus="2-5", num_servers=2, tensor_parallel_size=2)
-  assert cpus.server_cpus(v, 0) == [2, 3] and cpus.server_cpus(v, 1) == [4, 5]
+  assert pinned.server_cpus(v, 0) == [2, 3] and pinned.server_cpus(v, 1) == [4, 5]
   server = make_vllm_server(v, "model", max_len=32, batch_size=4, out_dir=str(tmp_path), index=1)
-  assert isinstance(server, cpus.PinnedVllmServer) and server.cpus == [4, 5]
-  assert server.env[cpus.BIND_ENV] == "4|5"  # one list a tensor-parallel rank
+  assert isinstance(server, pinned.PinnedVllmServer) and server.cpus == [4, 5]
+  assert server.env[pinned.BIND_ENV] == "4|5"  # one list a tensor-parallel rank
   assert not set(server.trainer_cpus) & set(range(2, 6))
   plain = make_vllm_server(_vcfg(), "model", max_len=32, batch_size=4, out_dir=str(tmp_path))
-  assert type(plain) is VllmServer and cpus.BIND_ENV not in plain.env
+  assert type(plain) is VllmServer and pinned.BIND_ENV not in plain.env
 
 
 def test_the_servers_use_the_environments_vllm_cache_root_else_their_own(tmp_path, monkeypatch):
@@ -122,9 +122,9 @@ def test_a_started_server_runs_on_its_cores_and_the_trainer_on_the_others(fake_p
   try:
     assert os.sched_getaffinity(server.pid) == own
     environ = open(f"/proc/{server.pid}/environ", "rb").read().split(b"\0")
-    assert f"{cpus.BIND_ENV}={allowed[-1]}".encode() in environ
+    assert f"{pinned.BIND_ENV}={allowed[-1]}".encode() in environ
     assert all(a == rest for a in _threads_affinity().values())  # every trainer thread, this one included
-    assert cpus.allowed_cpus() == allowed  # what the process may use, not the trainer's pinned share
+    assert cores.allowed_cpus() == allowed  # what the process may use, not the trainer's pinned share
   finally:
     server.stop()
   assert os.sched_getaffinity(0) == before[str(os.getpid())]  # given back after the server stopped
@@ -168,7 +168,7 @@ def test_a_real_vllm_server_runs_every_process_and_thread_on_its_cores(vllm_tiny
     r = engine.generate([[5, 9, 3], [7, 1, 4]], SamplingParams(max_new_tokens=4), seed=1)
     assert r.num_tokens == 8
     log = open(server.log_path).read()
-    assert f"{cpus.BIND_ENV}='{allowed[-1]}'" in log  # vLLM's own record of its thread binding
+    assert f"{pinned.BIND_ENV}='{allowed[-1]}'" in log  # vLLM's own record of its thread binding
   finally:
     engine.close()
   assert os.sched_getaffinity(0) == set(allowed)

@@ -107,7 +107,7 @@ def test_fp8_engine_on_gpu_multiplies_fp8_or_refuses_clearly():
   fake-quant engine samples. Below: one error naming the capability needed."""
   from opdjax.errors import UserError
   from opdjax.models import quant
-  from opdjax.rollout.jax_engine import decode_step
+  from opdjax.rollout.jax.engine import decode_step
   from opdjax.views import perturb
 
   cfg = _cfg("bfloat16")

@@ -1,4 +1,4 @@
-"""The JAX engine in its own pinned process (opdjax.rollout.jax_sidecar): the same rollouts as the
+"""The JAX engine in its own pinned process (opdjax.rollout.jax.sidecar): the same rollouts as the
 in-process engine before and after a weight sync through shared memory, the process on its cores and
 the trainer's threads on the others, errors raised in the trainer, the OPD loop with
 rollout.placement=disaggregated equal to the colocated loop, and the teacher scored in the sidecar
@@ -13,8 +13,8 @@ import pytest
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig
 from opdjax.rollout import SamplingParams
-from opdjax.rollout.factory import jax_engine
-from opdjax.rollout.jax_sidecar import JaxSidecarEngine, SidecarError
+from opdjax.rollout.deploy import jax_engine
+from opdjax.rollout.jax.sidecar import JaxSidecarEngine, SidecarError
 from opdjax.views.view import EngineView
 
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
@@ -175,7 +175,7 @@ def test_the_sidecars_teacher_hidden_states_line_up_with_the_batch_and_honour_th
   from opdjax.pipeline.loop import run_loop
   from opdjax.pipeline.session import Session
   from opdjax.pipeline.stages import OpdObjective, step_prompts
-  from opdjax.rollout.teacher import ScoredRollout
+  from opdjax.rollout.base import ScoredRollout
 
   cfg = _scoring_config(teacher_scoring="engine").replace(teacher={"view": "weights=fp8"})
   session = Session(cfg, None, progress=False)
@@ -231,7 +231,7 @@ def test_teacher_scoring_bad_config_is_one_error_naming_the_fix(rollout, match):
 
 
 def test_an_engine_cache_scoring_the_teacher_needs_its_own_process():
-  from opdjax.rollout.cache import EngineCache
+  from opdjax.rollout.jax.cache import EngineCache
 
   with pytest.raises(UserError, match="set rollout.placement=disaggregated"):
     EngineCache(max_len=32, pad_id=0, eos_ids=(), teacher=(Model(CFG), None))

@@ -2,7 +2,8 @@
 
 Every `import` of an opdjax module is read from the source (function-level imports too: a lazy import
 that climbs is still a climb). A package may import from its own floor or below; `LAYERS` is the
-pipeline's order, lowest first (STYLE.md habit 9).
+pipeline's order, lowest first (README.md, "Layout"). Inside rollout/ the two engine families never
+import each other: the one place that knows both is rollout/deploy.py.
 """
 
 from __future__ import annotations
@@ -97,4 +98,26 @@ def test_the_check_sees_a_climb():
   """The walker finds the imports it must judge (a check that cannot fail is no check)."""
   graph = _graph()
   assert "opdjax.parallel.activations" in graph["opdjax.models.decoder"]
-  assert _floor("opdjax.cli") > _floor("opdjax.pipeline.run") > _floor("opdjax.rollout.factory")
+  assert _floor("opdjax.cli") > _floor("opdjax.pipeline.run") > _floor("opdjax.rollout.deploy")
+  assert "opdjax.rollout.jax.engine" in graph["opdjax.rollout.deploy"]
+  assert "opdjax.rollout.vllm.launch" in graph["opdjax.rollout.deploy"]
+
+
+FAMILIES = ("opdjax.rollout.jax", "opdjax.rollout.vllm")
+
+
+def test_the_engine_families_never_import_each_other():
+  crossings = [f"{m} imports {t}" for m, targets in sorted(_graph().items()) for t in sorted(targets)
+               for a, b in (FAMILIES, FAMILIES[::-1]) if _in(m, a) and _in(t, b)]
+  assert not crossings, "engine families importing each other:\n" + "\n".join(crossings)
+  # ... and the check sees imports inside a family (a walker that finds nothing passes everything)
+  assert "opdjax.rollout.vllm.server" in _graph()["opdjax.rollout.vllm.launch"]
+
+
+def test_rollouts_top_level_holds_the_protocol_the_seam_and_the_families():
+  top = sorted(p.name for p in (ROOT / "rollout").iterdir() if p.name != "__pycache__")
+  assert top == ["__init__.py", "base.py", "cores.py", "deploy.py", "jax", "sampling.py", "vllm"], top
+
+
+def _in(module: str, package: str) -> bool:
+  return module == package or module.startswith(package + ".")

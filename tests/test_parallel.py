@@ -432,7 +432,7 @@ from opdjax.models import Model
 from opdjax.models.config import ModelConfig
 from opdjax.parallel.mesh import make_mesh
 from opdjax.parallel.placement import Placement
-from opdjax.rollout.primary import PrimaryEngine
+from opdjax.rollout.vllm.primary import PrimaryEngine
 from opdjax.rollout import JaxEngine, SamplingParams
 
 mc = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

@@ -16,7 +16,7 @@ from jax.extend import core as jcore
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig, UnsupportedModelError, attention, quant
 from opdjax.rollout import JaxEngine, SamplingParams
-from opdjax.rollout.jax_engine import decode_step
+from opdjax.rollout.jax.engine import decode_step
 from opdjax.training.loss import LossConfig
 from opdjax.training.step import OptimConfig, TrainState, make_optimizer, train_step
 from opdjax.views import perturb

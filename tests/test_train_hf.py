@@ -71,7 +71,7 @@ def test_opd_on_hf_folders_with_chat_prompts(folders, tmp_path, monkeypatch):
   import torch
   import transformers
 
-  from opdjax.rollout.jax_engine import JaxEngine
+  from opdjax.rollout.jax.engine import JaxEngine
 
   temperatures, generate = [], JaxEngine.generate
   monkeypatch.setattr(JaxEngine, "generate", lambda self, prompts, sampling, seed=0: (

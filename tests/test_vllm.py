@@ -20,10 +20,10 @@ import sys
 import textwrap
 import threading
 import time
-import types
 import urllib.error
 import urllib.request
 
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -33,7 +33,6 @@ from helpers import log_softmax, top_p_keep, vllm_env
 
 from opdjax.models.hf_io import load_hf_params
 from opdjax.rollout import PromptTooLongError, SamplingParams
-from opdjax.rollout.factory import make_vllm_engine
 from opdjax.rollout.vllm import (
   VllmEngine,
   VllmError,
@@ -43,6 +42,7 @@ from opdjax.rollout.vllm import (
   prompt_seeds,
   waves,
 )
+from opdjax.rollout.vllm.launch import make_vllm_engine
 from opdjax.scoring.rescore import batch_from_rollout
 
 PAD = 0
@@ -56,11 +56,8 @@ MEASURED = {}
 
 
 def vllm_config(**changes):
-  """`rollout.vllm` as the factory reads it (fields of config.schema.VllmConfig)."""
-  fields = {"url": "", "dtype": "float32", "quantization": "", "kv_cache_dtype": "", "gpu_memory_utilization": 0.0,
-            "tensor_parallel_size": 1, "enforce_eager": True, "api_key": "", "python": "", "cpu_kvcache_gib": 1,
-            "extra_args": ()}
-  return types.SimpleNamespace(**{**fields, **changes})
+  """`rollout.vllm` as the factory reads it (the typed config.schema.VllmConfig)."""
+  return helpers.vllm_config(**changes)
 
 
 @pytest.fixture(scope="module")

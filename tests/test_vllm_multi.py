@@ -8,6 +8,7 @@ import os
 import signal
 import types
 
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -17,9 +18,9 @@ from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig
 from opdjax.rollout import SamplingParams
-from opdjax.rollout.factory import make_vllm_engine, make_vllm_server
 from opdjax.rollout.vllm import VllmEngine, auth, prompt_seeds
 from opdjax.rollout.vllm.client import ServerInfo, VllmError
+from opdjax.rollout.vllm.launch import make_vllm_engine, make_vllm_server
 from opdjax.rollout.vllm.multi import MultiVllmEngine, shares
 from opdjax.rollout.vllm.probe import PROBE_PROMPT
 
@@ -32,6 +33,8 @@ fake_python = test_vllm.fake_python  # its fixture: a fake vLLM server, here too
 
 class StubServer:
   """What MultiVllmEngine uses of a VllmEngine; a completion is a pure function of (prompt, seed, weights)."""
+
+  exporter = None  # the engine's default: its own exporter writes float32
 
   def __init__(self, url):
     self.url, self.client = url, types.SimpleNamespace(info=lambda: ServerInfo(128, None, False))
@@ -132,8 +135,7 @@ def test_config_keys_of_several_servers():
 
 
 def _vllm_config(**changes):
-  fields = {f: getattr(Config().rollout.vllm, f) for f in Config().rollout.vllm.__dataclass_fields__}
-  return types.SimpleNamespace(**{**fields, "dtype": "float32", "enforce_eager": True, **changes})
+  return helpers.vllm_config(**changes)
 
 
 def _model_of(argv: list[str]) -> str:

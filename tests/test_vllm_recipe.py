@@ -21,7 +21,7 @@ from opdjax.cli import main as cli_main
 from opdjax.config.schema import VllmConfig
 from opdjax.errors import UserError
 from opdjax.models.config import ModelConfig
-from opdjax.rollout import factory
+from opdjax.rollout.vllm import launch as factory
 from opdjax.rollout.vllm import recipe
 from opdjax.rollout.vllm.server import SERVER_MODULE
 from opdjax.views import perturb

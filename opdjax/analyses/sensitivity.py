@@ -58,7 +58,7 @@ from opdjax.models import quant
 from opdjax.models.decoder import Model
 from opdjax.progress import bar as progress_bar
 from opdjax.rollout import SamplingParams
-from opdjax.rollout.factory import jax_engine
+from opdjax.rollout.deploy import jax_engine
 from opdjax.rollout.sampling import sampling_logprobs
 from opdjax.scoring.rescore import TrainBatch, batch_from_rollout, chunked_over_positions, masked_mean
 from opdjax.views import perturb

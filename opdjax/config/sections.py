@@ -143,7 +143,7 @@ class VllmConfig:
   urls: str = ""
   num_servers: int = 1
   gpus: str = ""
-  cpus: str = ""  # rollout.placement=disaggregated: the server's own cores on CPU (opdjax.rollout.cpus)
+  cpus: str = ""  # rollout.placement=disaggregated: the server's own cores on CPU (opdjax.rollout.deploy)
   dtype: str = "float32"
   quantization: str = ""
   kv_cache_dtype: str = ""
@@ -162,8 +162,16 @@ class VllmConfig:
   probe_tolerance: float = 0.0
 
   @property
-  def extra_argv(self) -> tuple[str, ...]:
-    return tuple(shlex.split(self.extra_args))
+  def attached(self) -> tuple[str, ...]:
+    """The running servers opdjax attaches to (`urls`, else `url`); () when it starts its own. The one
+    reading of `url`/`urls`."""
+    urls = tuple(u.strip() for u in self.urls.split(",") if u.strip())
+    return urls or ((self.url.strip(),) if self.url.strip() else ())
+
+  @property
+  def gpu_ids(self) -> tuple[str, ...]:
+    """`gpus` as a list ('0,1' -> ('0', '1'))."""
+    return tuple(g.strip() for g in self.gpus.split(",") if g.strip())
 
   def check(self):
     check_positive("rollout.vllm.tensor_parallel_size", self.tensor_parallel_size)
@@ -171,14 +179,13 @@ class VllmConfig:
     if not self.probe_tolerance >= 0:
       raise UserError(f"rollout.vllm.probe_tolerance={self.probe_tolerance}: give a log-prob difference > 0, or 0 for"
                       " the default of the server's dtype.")
-    urls = [u for u in self.urls.split(",") if u.strip()]
-    if urls and (self.url or self.num_servers > 1):
+    if self.urls.strip(",").strip() and (self.url or self.num_servers > 1):
       raise UserError(f"rollout.vllm.urls={self.urls!r} attaches to running servers; leave rollout.vllm.url empty and"
                       " rollout.vllm.num_servers=1 (it counts servers opdjax starts), or give the one url alone.")
     if self.url and self.num_servers > 1:
       raise UserError(f"rollout.vllm.url={self.url!r} with rollout.vllm.num_servers={self.num_servers}: list the"
                       " running servers in rollout.vllm.urls, or leave url empty to start num_servers here.")
-    gpus = [g for g in self.gpus.split(",") if g.strip()]
+    gpus = self.gpu_ids
     if gpus and len(gpus) != self.num_servers * self.tensor_parallel_size:
       need = self.num_servers * self.tensor_parallel_size
       raise UserError(f"rollout.vllm.gpus={self.gpus!r} lists {len(gpus)} GPUs; {self.num_servers} server(s) x"
@@ -203,7 +210,7 @@ class RolloutConfig:
   `teacher_scoring`: where the teacher's layers run on each rollout: `trainer` (in the OPD step) or
   `engine` (the disaggregated JAX engine's process runs them after sampling and returns the teacher's
   final hidden states with the rollout; the step keeps the teacher's output matrix and the fused loss:
-  opdjax.rollout.teacher). `engine` moves the teacher's forward pass off the trainer's side, which pays
+  opdjax.rollout.jax.teacher). `engine` moves the teacher's forward pass off the trainer's side, which pays
   where the trainer's side is the longer one (async, docs/async.md); it needs rollout.engine='jax' with
   rollout.placement='disaggregated' and the OPD objective."""
 
@@ -219,13 +226,34 @@ class RolloutConfig:
   async_depth: int = 0
   async_mode: str = "exact"
   devices: str = ""
-  placement: str = "colocated"  # or disaggregated: the engine on cores of its own (opdjax.rollout.cpus)
+  placement: str = "colocated"  # or disaggregated: the engine on cores of its own (opdjax.rollout.deploy)
   teacher_scoring: str = "trainer"
 
   @property
   def sampling(self) -> SamplingParams:
     return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                           top_k=self.top_k)
+
+  def _check_placement(self) -> None:
+    """`rollout.placement` and `rollout.vllm.cpus` (the cores themselves are checked at start-up,
+    opdjax.rollout.deploy.core_split, where this process's affinity is known)."""
+    from opdjax.rollout.cores import PLACEMENTS, parse_cpus
+
+    check_choice("rollout.placement", self.placement, PLACEMENTS)
+    v = self.vllm
+    if not v.cpus:
+      return
+    parse_cpus(v.cpus)
+    if self.engine != "vllm":
+      raise UserError(f"rollout.vllm.cpus={v.cpus!r} pins the vLLM server; with rollout.engine={self.engine!r} leave it"
+                      " empty (a disaggregated JAX engine's process takes the upper half of the cores).")
+    if self.placement != "disaggregated":
+      raise UserError(f"rollout.vllm.cpus={v.cpus!r} gives the vLLM server cores of its own: set"
+                      " rollout.placement=disaggregated, or leave rollout.vllm.cpus empty.")
+    if v.attached:
+      raise UserError(f"rollout.vllm.cpus={v.cpus!r} pins a server opdjax starts; an attached server (rollout.vllm.url"
+                      "/urls) is pinned where it is started (VLLM_CPU_OMP_THREADS_BIND, taskset): leave"
+                      " rollout.vllm.cpus empty.")
 
   def check(self):
     check_choice("rollout.engine", self.engine, ENGINES)
@@ -248,9 +276,7 @@ class RolloutConfig:
                         " precision is set by rollout.vllm.dtype / kv_cache_dtype / quantization; the view may only"
                         " change weights, noise and lag.")
     self.vllm.check()
-    from opdjax.rollout.cpus import check_config  # placement and the server's cores
-
-    check_config(self)
+    self._check_placement()
     self._check_async()
     check_choice("rollout.teacher_scoring", self.teacher_scoring, TEACHER_SCORING)
     if self.teacher_scoring == "engine" and (self.engine, self.placement) != ("jax", "disaggregated"):

@@ -61,13 +61,14 @@ def _indices(devs, local) -> str:
   return ",".join(str(local.index(d)) for d in devs)
 
 
-def split(rcfg, mesh_cfg) -> tuple[list | None, list | None]:
+def split(rcfg, mesh_cfg, *, own_engine_devices: bool) -> tuple[list | None, list | None]:
   """(the devices the trainer's mesh is built over, the asynchronous JAX engine's devices): this
   host's devices the engine leaves, when an asynchronous run gives it its own (`rollout.devices`);
-  None: every device (the usual mesh) / not chosen here. Checked before anything is written: an
-  engine set that leaves the trainer nothing, names devices this host lacks, or overlaps the
-  trainer's mesh; the JAX engine behind a multi-process trainer."""
-  if not rcfg.async_depth or rcfg.engine != "jax":
+  None: every device (the usual mesh) / not chosen here. `own_engine_devices`: the run has an
+  asynchronous engine in this process (opdjax.rollout.deploy decides). Checked before anything is
+  written: an engine set that leaves the trainer nothing, names devices this host lacks, or overlaps
+  the trainer's mesh; the JAX engine behind a multi-process trainer."""
+  if not own_engine_devices:
     return None, None
   if jax.process_count() > 1:
     raise UserError(f"rollout.async_depth={rcfg.async_depth} with the JAX engine and {jax.process_count()} trainer"
@@ -101,16 +102,6 @@ def split(rcfg, mesh_cfg) -> tuple[list | None, list | None]:
                     f" ({_indices(rest, local)}), and mesh {given} covers {fixed}. Make the mesh cover {len(rest)}"
                     " devices (e.g. mesh.fsdp=-1), or change rollout.devices.")
   return rest, engine
-
-
-def describe_config(rcfg) -> str:
-  """What `rollout.devices` does to the layout, for --print-config ('' when it does nothing)."""
-  if not (rcfg.async_depth and rcfg.engine == "jax" and rcfg.devices):
-    return ""
-  kind, vals = parse(rcfg.devices)
-  which = f"the last {vals[0]} device(s)" if kind == "count" else f"device(s) {','.join(map(str, vals))}"
-  return (f"rollout.devices={rcfg.devices!r}: the asynchronous JAX engine samples on {which} of this host, as its"
-          " own mesh; the trainer's mesh (mesh.*) is built over the host's other devices")
 
 
 def engine_mesh(devices: list, trainer_mesh: Mesh | None, model_cfg, batch: int) -> Mesh | None:

@@ -36,7 +36,6 @@ import collections
 import contextlib
 import dataclasses
 import os
-import shutil
 import sys
 import threading
 import time
@@ -47,10 +46,10 @@ import numpy as np
 
 from opdjax import seeds
 from opdjax.errors import UserError
-from opdjax.pipeline.async_devices import check_memory, engine_side
 from opdjax.pipeline.session import Session
 from opdjax.pipeline.stages import Clock, Sample, check_group, step_prompts
 from opdjax.rollout.base import WeightUpdate
+from opdjax.rollout.deploy import check_memory
 from opdjax.views.view import EngineView
 
 MODES = ("exact", "bounded")
@@ -129,8 +128,8 @@ class AsyncSampler:
     self.session, self.seed, self.group, self.prepare = session, seed, group, prepare
     self.mode, self.steps, self.depth = mode, steps, depth
     self.trainer_device = trainer_device or jax.devices()[0]
-    self.side = engine_side(session, devices)
-    # The JAX engine's (first) device; None for vLLM, which samples in its own processes.
+    self.side = session.deployment.engine_side(session.placement, session.student.cfg, devices)
+    # The engine's (first) device; None for an engine sampling in processes of its own.
     self.device = self.side.device if self.side is not None else None
     if self.side is not None and self.side.device == self.trainer_device:
       print(f"opdjax: asynchronous rollouts on one {self.device.platform} device: the producer shares the trainer's"
@@ -173,7 +172,7 @@ class AsyncSampler:
       if not hasattr(self, "_shardings"):
         self._shardings = self.side.shardings(params)
       return jax.device_put(params, self._shardings, may_alias=False)
-    return _copy_in_place(params)  # vLLM: kept where the trainer has them (a jitted copy: global arrays too)
+    return _copy_in_place(params)  # kept where the trainer has them (a jitted copy: global arrays too)
 
   def _export(self, version: int, params) -> WeightUpdate:
     t0 = time.perf_counter()
@@ -184,10 +183,9 @@ class AsyncSampler:
     return update
 
   def _release(self, update: WeightUpdate) -> None:
-    """A version dropped without the engine holding it: its exported folder goes (vLLM; the sampling
-    process only: it alone knows which folder its servers hold)."""
-    if self.samples_here and update.path and update.path != getattr(self.engine, "weights_path", None):
-      shutil.rmtree(update.path, ignore_errors=True)
+    """A version dropped without the engine holding it: what its export holds goes (the engine knows
+    what it holds; behind a multi-process trainer, only the sampling process does)."""
+    self.engine.release(update)
 
   def __call__(self, step: int, params) -> Sample:
     t0 = time.perf_counter()
@@ -300,7 +298,7 @@ class AsyncSampler:
 
   def _run(self, t: int, epoch: int) -> None:
     try:
-      cpus = getattr(self.engine, "cpus", None)
+      cpus = self.engine.host_cpus
       if cpus:  # an engine on cores of its own (disaggregated): its host work (loads, inputs) goes there too
         os.sched_setaffinity(0, cpus)
       self.producer_cpus = sorted(os.sched_getaffinity(0))
@@ -359,7 +357,7 @@ class AsyncSampler:
     stats = {k: v for k, v in clock.laps.items() if k != "wait"}
     stats["time_weight_sync_s"] = stats["time_load_s"] + update.stats.get("time_publish_export_s", 0.0)
     stats["time_producer_wait_s"] = waited
-    stats["tags"] = server_tags(engine, version)
+    stats["tags"] = engine.tags(version)
     if threading.current_thread() is not self._thread:
       stats["inline_s"] = time.perf_counter() - t0
     # What the weight sync reports (export and reload seconds, the reload probe) for the step's record.
@@ -386,12 +384,3 @@ class AsyncSampler:
 @jax.jit
 def _copy_in_place(params):
   return jax.tree.map(jnp.copy, params)
-
-
-def server_tags(engine, version: int) -> dict:
-  """Which server(s) sampled a rollout, for its record (vLLM engines; nothing for the JAX engine)."""
-  served = getattr(engine, "served", None)
-  if served:
-    return {"rollout_servers": [dict(d) for d in served]}
-  url = getattr(engine, "url", None)
-  return {"rollout_servers": [{"url": url, "version": version}]} if url else {}

@@ -189,17 +189,6 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def check_multiprocess(cfg) -> None:
-  """What a multi-process run cannot do yet, refused before anything starts."""
-  if cfg.rollout.async_depth and cfg.rollout.engine == "jax":  # the same error as opdjax.parallel.devices.split
-    from opdjax.parallel.devices import split
-
-    split(cfg.rollout, cfg.mesh)
-  if (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, 1, 1):
-    raise UserError(f"mesh data=1 fsdp=1 tensor=1 uses one device, but the run has {jax.process_count()} processes:"
-                    " set the mesh over every device, e.g. --config.mesh.fsdp=-1.")
-
-
 def check_same_config(cfg_dict: dict) -> None:
   """One error, on every process, naming the first config key whose value differs across processes."""
   if jax.process_count() == 1:

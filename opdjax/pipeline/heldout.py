@@ -9,7 +9,7 @@ import jax
 from opdjax import seeds
 from opdjax.models import Model
 from opdjax.rollout import Rollout, SamplingParams
-from opdjax.rollout.factory import jax_engine
+from opdjax.rollout.deploy import jax_engine
 from opdjax.scoring.rescore import batch_from_rollout
 from opdjax.training.loss import LossConfig
 from opdjax.training.step import opd_loss

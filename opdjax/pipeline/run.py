@@ -21,14 +21,13 @@ from opdjax.config.schema import Config, flat
 from opdjax.errors import Interrupted, UserError
 from opdjax.models.fetch import resolve
 from opdjax.pipeline import hooks as H
-from opdjax.pipeline.async_devices import check_start
 from opdjax.pipeline.checkpoint import TOKENIZER_FILES, RunCheckpointer, package_versions
-from opdjax.pipeline.distributed import barrier, check_multiprocess
+from opdjax.pipeline.distributed import barrier
 from opdjax.pipeline.guard import GuardHook, load_run_budget
 from opdjax.pipeline.loop import Loop, run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
 from opdjax.pipeline.session import Session
-from opdjax.rollout.factory import check_engine
+from opdjax.rollout.deploy import check_memory, plan
 from opdjax.views.view import EngineView
 
 # Keys a resumed run may change: they extend it (more steps) or only observe it.
@@ -90,17 +89,14 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
   if resuming and os.path.isfile(config_path):  # the run's config: refused before models load or servers start
     with open(config_path) as f:
       _resumable_changes(out_dir, json.load(f), cfg, early=True)
-  if cfg.rollout.async_depth and cfg.rollout.engine == "jax":
-    _host_devices()
-  if jax.process_index() == 0:  # process 0 drives the servers
-    check_engine(cfg.rollout)
+  deployment = plan(cfg)  # devices, cores, servers (process 0 checks those it attaches to): before any write
   if jax.process_count() > 1:
-    check_multiprocess(cfg)
     barrier("opdjax-out-checked")  # every process has read --out before process 0 writes into it
-  session = Session(cfg, out_dir, progress)  # loads models: errors about them come before any write
+  session = Session(cfg, out_dir, progress, deployment)  # loads models: errors about them come before any write
   try:
     if cfg.rollout.async_depth:  # the engine's devices and memory, before any write
-      check_start(session, cfg.rollout.devices, cfg.rollout.async_depth, EngineView.parse(cfg.rollout.view))
+      side = deployment.engine_side(session.placement, session.student.cfg, cfg.rollout.devices)
+      check_memory(side, session.student_params, cfg.rollout.async_depth, EngineView.parse(cfg.rollout.view))
     budget = load_run_budget(cfg.train.budget, session) if cfg.train.budget else None
     return _train(session, out_dir, ckpt_dir, resuming, fallback, progress, budget)
   except Interrupted as e:
@@ -123,17 +119,6 @@ def _resumable_changes(out_dir: str, old: dict, cfg: Config, early: bool = False
                     " resume with the config it was written with, or pass a new --out folder. Nothing was"
                     " overwritten.")
   return changes
-
-
-def _host_devices() -> None:
-  """On CPU, a second host device for the asynchronous producer (one core a side), when JAX has not
-  started yet and nothing else chose a device count."""
-  from jax._src import xla_bridge
-
-  if (xla_bridge.backends_are_initialized() or jax.config.jax_num_cpu_devices > 1
-      or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")):
-    return
-  jax.config.update("jax_num_cpu_devices", 2)
 
 
 def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallback: bool,
@@ -174,7 +159,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     h, s = loop.sampler.history, loop.sampler
     out = {"step": step, "last_eval": loop.last_eval, "config": cfg.to_dict(),
            "student_config": session.student.cfg.to_hf_dict(), "history_versions": h.versions if h else [],
-           "engine": {"kind": cfg.rollout.engine, "view": str(s.view), "view_fields": dataclasses.asdict(s.view),
+           "engine": {"kind": session.deployment.kind, "view": str(s.view), "view_fields": dataclasses.asdict(s.view),
                       "async_depth": s.depth, "async_mode": cfg.rollout.async_mode,
                       "sampling": dataclasses.asdict(session.sampling)},
            "teacher_view": str(session.teacher_view), "params_version": step, "versions": package_versions()}

@@ -15,14 +15,12 @@ from opdjax.config.schema import Config
 from opdjax.errors import UserError
 from opdjax.models import Model, save_hf_params
 from opdjax.parallel.devices import describe_engine, engine_mesh
-from opdjax.parallel.devices import split as split_devices
 from opdjax.parallel.placement import Placement
 from opdjax.pipeline.build import load_model, make_task
 from opdjax.pipeline.heldout import HeldOut
 from opdjax.rollout import RolloutEngine
-from opdjax.rollout.cache import EngineCache
-from opdjax.rollout.cpus import core_split
-from opdjax.rollout.factory import make_engine
+from opdjax.rollout.deploy import Deployment, build, jax_engines, plan
+from opdjax.rollout.jax.cache import EngineCache
 from opdjax.scoring.mismatch import exact_kl
 from opdjax.scoring.rescore import batch_from_rollout, masked_mean
 from opdjax.training.step import create_state, make_optimizer, make_train_step, train_step_shardings
@@ -32,68 +30,71 @@ ALGOS = ("opd", "grpo")
 
 
 class EnginePool:
-  """Every engine of a Session, built by opdjax.rollout.factory: one JAX engine per engine-view model
-  (compute dtype, KV and activation rounding) and placement, so views that differ only in weights,
-  noise or lag share an engine and its compiled decode loop; with rollout.engine='vllm', one vLLM
-  engine serves every view it can realise. `device`: where the asynchronous producer's JAX engines
-  live, one device or a Placement of their own (a mesh over `rollout.devices`): their compiled
-  decode loops and KV caches never move between devices. `teacher`: the scoring teacher (Model,
-  params), which the JAX engines' own processes hold with rollout.teacher_scoring='engine'."""
+  """Every engine of a Session, as its Deployment (opdjax.rollout.deploy) builds them: one engine per
+  engine-view model (compute dtype, KV and activation rounding) and placement, so views that differ
+  only in weights, noise or lag share an engine and its compiled decode loop; or, for a Deployment
+  with `one_engine` (vLLM), one engine serving every view it can realise. `device`: where the
+  asynchronous producer's engines live, one device or a Placement of their own (a mesh over
+  `rollout.devices`): their compiled decode loops and KV caches never move between devices.
+  `teacher`: the scoring teacher (Model, params), which the engines' own processes hold where the
+  Deployment scores the teacher on the engine's side."""
 
-  def __init__(self, cfg: Config, student: Model, student_params, task, out_dir: str | None,
+  def __init__(self, cfg: Config, deployment: Deployment, student: Model, student_params, task, out_dir: str | None,
                placement: Placement | None = None, teacher=None):
     self.cfg, self.student, self.student_params, self.task, self.out_dir = cfg, student, student_params, task, out_dir
-    self.placement = placement
-    self.teacher = teacher if cfg.rollout.teacher_scoring == "engine" else None
-    self._jax: dict = {}  # device or Placement (None: the session's placement) -> EngineCache
-    self._vllm: RolloutEngine | None = None
+    self.deployment, self.placement, self.teacher = deployment, placement, teacher
+    self._per_model: dict = {}  # device or Placement (None: the session's placement) -> EngineCache
+    self._one: RolloutEngine | None = None
 
   def jax_cache(self, device=None) -> EngineCache:
     """The JAX engines on the session's placement (`device` None), on one producer device, or on
     the producer's own Placement."""
-    if device not in self._jax:
+    if device not in self._per_model:
       placement = self.placement if device is None else device if isinstance(device, Placement) else None
-      self._jax[device] = EngineCache(max_len=self.cfg.rollout.max_len, pad_id=self.task.pad_id,
-                                      eos_ids=self.task.eos_ids, placement=placement,
-                                      cores=core_split(self.cfg.rollout),  # disaggregated: its own process
-                                      teacher=self.teacher)
-    return self._jax[device]
+      self._per_model[device] = jax_engines(self.deployment, pad_id=self.task.pad_id, eos_ids=self.task.eos_ids,
+                                            placement=placement, teacher=self.teacher)
+    return self._per_model[device]
 
   def get(self, view: EngineView, device=None) -> RolloutEngine:
-    if self.cfg.rollout.engine == "jax":
+    if not self.deployment.one_engine:
       engine = self.jax_cache(device).get(view.model(self.student))
     else:
-      if self._vllm is None:
+      if self._one is None:
         # A server failing the reload probe: an error, a warning when the mismatch guard runs in warn mode.
         warn = bool(self.cfg.train.budget) and self.cfg.train.guard == "warn"
-        self._vllm = make_engine(self.cfg.rollout, self.student, self.student_params, pad_id=self.task.pad_id,
-                                 eos_ids=self.task.eos_ids, placement=self.placement, out_dir=self.out_dir,
-                                 probe_action="warn" if warn else "error")
-      engine = self._vllm
+        self._one = build(self.deployment, self.student, self.student_params, pad_id=self.task.pad_id,
+                          eos_ids=self.task.eos_ids, placement=self.placement, out_dir=self.out_dir,
+                          probe_action="warn" if warn else "error")
+      engine = self._one
     engine.check_view(view)
     return engine
 
   def drop(self, device) -> None:
-    """Closes and forgets the JAX engines on `device` (the next `get` there builds fresh ones)."""
-    cache = self._jax.pop(device, None)
+    """Closes and forgets the engines on `device` (the next `get` there builds fresh ones)."""
+    cache = self._per_model.pop(device, None)
     if cache is not None:
       cache.close()
 
   def close(self) -> None:
-    if self._vllm is not None:
-      self._vllm.close()
-      self._vllm = None
-    for cache in self._jax.values():
+    if self._one is not None:
+      self._one.close()
+      self._one = None
+    for cache in self._per_model.values():
       cache.close()
-    self._jax.clear()
+    self._per_model.clear()
 
 
 class Session:
-  def __init__(self, cfg: Config, out_dir: str | None = None, progress: bool = True):
+  def __init__(self, cfg: Config, out_dir: str | None = None, progress: bool = True,
+               deployment: Deployment | None = None):
+    """`deployment`: where and how the engine runs (opdjax.rollout.deploy.plan, which `opdjax train`
+    calls before anything is written); planned here when not given."""
     self.cfg, self.out_dir, self.progress = cfg, out_dir, progress
+    self.deployment = deployment if deployment is not None else plan(cfg)
     # An asynchronous JAX engine with devices of its own (rollout.devices): the trainer's mesh is the
-    # rest (checked before the models load).
-    trainer_devices, self.engine_devices = split_devices(cfg.rollout, cfg.mesh)
+    # rest (checked by the plan, before the models load).
+    trainer_devices = None if self.deployment.trainer_devices is None else list(self.deployment.trainer_devices)
+    self.engine_devices = None if self.deployment.engine_devices is None else list(self.deployment.engine_devices)
     self.task = make_task(cfg)
     self.clean_teacher, self.clean_teacher_params = load_model("teacher", cfg, self.task)
     self.student, self.student_params = load_model("student", cfg, self.task)
@@ -122,8 +123,8 @@ class Session:
           exact_kl(self.teacher, qp, self.clean_teacher, cp, b), b["loss_mask"]))
     # The teacher as the trainer scores with it (its own view applied): rollout.teacher_scoring='engine'
     # runs it in the engine's process instead, the same model and params.
-    self.engines = EnginePool(cfg, self.student, self.student_params, self.task, out_dir, self.placement,
-                              teacher=(self.teacher, self.teacher_params))
+    self.engines = EnginePool(cfg, self.deployment, self.student, self.student_params, self.task, out_dir,
+                              self.placement, teacher=(self.teacher, self.teacher_params))
     self.held_out = HeldOut(self.student, self.teacher, self.task, self.sampling, cfg.loss.chunk, cfg.seed,
                             {"max_len": cfg.rollout.max_len, "pad_id": self.task.pad_id,
                              "eos_ids": self.task.eos_ids, "placement": self.placement})

@@ -1,4 +1,4 @@
-from opdjax.rollout.base import Rollout, RolloutEngine, SamplingParams
-from opdjax.rollout.jax_engine import JaxEngine, PromptTooLongError
+from opdjax.rollout.base import PromptTooLongError, Rollout, RolloutEngine, SamplingParams
+from opdjax.rollout.jax.engine import JaxEngine
 
 __all__ = ["JaxEngine", "PromptTooLongError", "Rollout", "RolloutEngine", "SamplingParams"]

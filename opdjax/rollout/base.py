@@ -1,4 +1,6 @@
-"""The rollout interface shared by every engine (embedded JAX, vLLM sidecar)."""
+"""The rollout interface shared by every engine (embedded JAX, its own-process sidecar, vLLM servers):
+the engine protocol, the Rollout it returns and the Rollout's layout (prompt padding, the sequences
+the models read), so no caller ever asks which engine it holds."""
 
 from __future__ import annotations
 
@@ -10,8 +12,14 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from opdjax.errors import UserError
+from opdjax.models.decoder import positions_from_mask
+
+
+class PromptTooLongError(UserError):
+  pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +79,44 @@ def _host(x):
   return jax.device_get(x)
 
 
+@flax.struct.dataclass
+class ScoredRollout(Rollout):
+  """A rollout with the teacher's final hidden states on its sequences, `[B, L, D]` in the teacher's
+  compute dtype, aligned with `model_inputs` (what `teacher.hidden` returns in the OPD step;
+  rollout.teacher_scoring='engine', opdjax.rollout.jax.teacher)."""
+
+  teacher_hidden: jax.Array | None = None
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 8):
+  """Left-pads to a length rounded up to `multiple` (bounds recompilation)."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("every prompt needs at least one token.")
+  p_len = -(-max(len(p) for p in prompts) // multiple) * multiple
+  toks = np.full((len(prompts), p_len), pad_id, np.int32)
+  mask = np.zeros((len(prompts), p_len), bool)
+  for i, p in enumerate(prompts):
+    toks[i, p_len - len(p):] = p
+    mask[i, p_len - len(p):] = True
+  return toks, mask
+
+
+def model_inputs(prompt_tokens, prompt_mask, completion_tokens, completion_mask) -> dict[str, jax.Array]:
+  """A rollout's sequences as the models read them, `[B, L = P + N - 1]`: `tokens[:, i]` predicts
+  `targets[:, i]`; `positions` restart at 0 on each row's first real token. The one layout: the
+  trainer's re-scoring batch (opdjax.scoring.rescore) and engine-side teacher scoring are built from
+  it, so hidden states line up with the batch's tokens by construction (prompts left-padded,
+  completions right-padded, the last token dropped: position i predicts token i + 1)."""
+  tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
+  mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
+  return {
+      "tokens": tokens[:, :-1],
+      "positions": positions_from_mask(mask)[:, :-1],
+      "attention_mask": mask[:, :-1],
+      "targets": tokens[:, 1:],
+  }
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
   """What an engine can do, so the pipeline never asks which engine it holds.
@@ -116,9 +162,18 @@ class RolloutEngine(abc.ABC):
   loop, on the trainer's thread (it may run collectives and write files); `load(update)` by whoever
   samples (the producer thread; process 0 behind a multi-process trainer) and runs no collective.
   `sync` is the two in a row. An engine that has no export step inherits both.
+
+  What the asynchronous producer needs, with defaults for an engine that has nothing to say:
+  `host_cpus` (the cores its host-side work belongs on), `tags(version)` (who sampled a rollout, for
+  its record), `release(update)` (a version dropped unloaded: what its export holds goes), and the
+  two halves of `generate` behind a multi-process trainer, `produce` (the sampling process, no
+  collective) and `distribute` (every process, the same point of the loop).
   """
 
   capabilities: Capabilities
+  # The export every trainer process writes its shards of (opdjax.rollout.vllm.exporter), which a
+  # PrimaryEngine rebuilds on every process; None: the engine takes params.
+  exporter: Any = None
 
   @abc.abstractmethod
   def sync(self, params, version: int) -> None:
@@ -143,6 +198,29 @@ class RolloutEngine(abc.ABC):
 
   def close(self) -> None:  # noqa: B027 -- optional: most engines hold only Python objects
     """Releases what the engine holds (a server it started, caches)."""
+
+  @property
+  def host_cpus(self) -> list[int] | None:
+    """The cores of an engine that runs on cores of its own (rollout.placement=disaggregated), where
+    the producer's host work (loads, the objective's inputs) goes too; None: wherever the caller runs."""
+    return None
+
+  def tags(self, version: int) -> dict:
+    """What a rollout's record says about who sampled it at `version` ({}: nothing beyond the version)."""
+    return {}
+
+  def release(self, update: WeightUpdate) -> None:  # noqa: B027 -- optional: most exports hold only arrays
+    """A version dropped without the engine holding it: what its export holds outside Python goes."""
+
+  def produce(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> Any:
+    """The sampling side's half of `generate` (no collective); by default the rollout itself."""
+    return self.generate(prompts, sampling, seed)
+
+  def distribute(self, produced: Any, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                 seed: int) -> Rollout:
+    """Every process, the same point of the loop: `produce`'s result as this process's rollout; by
+    default `produced` as it is (an engine of one process)."""
+    return produced
 
   def check_view(self, view) -> None:
     """One error naming the view fields this engine cannot realise."""

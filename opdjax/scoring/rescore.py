@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from opdjax.models.decoder import Model
-from opdjax.rollout.base import Rollout
-from opdjax.rollout.teacher import model_inputs
+from opdjax.rollout.base import Rollout, model_inputs
 
 TrainBatch = dict[str, jax.Array]
 

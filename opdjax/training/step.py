@@ -89,7 +89,7 @@ def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teach
   top-k, top-p). The trainer is scored on that same distribution for the importance weights and
   the `mismatch_*` metrics; the objective stays on the models' T = 1 distributions. None: T = 1,
   unprocessed. A batch with `teacher_hidden` (rollout.teacher_scoring='engine') carries the teacher's
-  final hidden states from the engine's process (opdjax.rollout.teacher): the teacher's layers do not
+  final hidden states from the engine's process (opdjax.rollout.jax.teacher): the teacher's layers do not
   run here, its output matrix and the fused loss do.
   """
   h_s, _ = student.hidden(params, batch["tokens"], batch["positions"], batch["attention_mask"])

@@ -103,23 +103,6 @@ def _update_slices(keys: Sequence[str], x, groups: dict[object, list[int]], fn: 
   return xs if stacked else xs[0]
 
 
-def map_selected(fn: Callable, params, patterns: Sequence[str] | None, leaves: Sequence[str] = ("kernel", "embedding")):
-  """Applies `fn(path, x)` to the leaves named in `leaves` of modules matching any pattern; on a
-  stacked leaf, to each selected layer's slice."""
-  selected = None if patterns is None else {p for pat in patterns for p in match(pat, params)}
-
-  def visit(path, x):
-    keys = _keys(path)
-    if keys[-1] not in leaves:
-      return x
-    paths = _slice_paths(keys, x)
-    groups = _groups(paths, lambda m: True if selected is None or m in selected else None)
-    return _update_slices(keys, x, groups, lambda _, idx, xs: jnp.stack([fn(paths[i], y) for i, y in zip(idx, xs)]))
-
-  return jax.tree_util.tree_map_with_path(visit, params)
-
-
-# Presets: ordered (pattern -> format); first match wins; unmatched tensors stay fp32.
 def preset(name: str, num_layers: int, keep_edge_layers: int = 1) -> list[tuple[str, str]]:
   """Common practice: embeddings, lm_head (and norms, always) kept in bf16; the first/last
   `keep_edge_layers` layers kept in bf16; every other projection in the named format."""

@@ -1,5 +1,5 @@
 """vLLM as a rollout engine: a supervised server (`server`), its HTTP client (`client`), the engine
-with weight sync (`engine`; built by opdjax.rollout.factory), its requests (`requests`), weights exporter
+with weight sync (`engine`; built by opdjax.rollout.vllm.launch), its requests (`requests`), weights exporter
 (`exporter`) and reload probe (`probe`), and an in-process variant for tests (`inprocess`).
 
 vllm itself is imported lazily (only by `VllmInProcessEngine`): opdjax imports without it, and the

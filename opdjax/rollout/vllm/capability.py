@@ -1,6 +1,6 @@
 """What the GPUs of the vLLM servers opdjax starts can run: FP8 needs FP8 tensor cores.
 
-Checked at start-up (opdjax.rollout.factory.check_engine), before anything is written. On GPUs
+Checked at start-up (opdjax.rollout.deploy.plan), before anything is written. On GPUs
 below compute capability 8.9 vLLM runs FP8 weights weight-only (Marlin, W8A16) or refuses them:
 not the FP8 numerics a run (or its recipe) asks for.
 """

@@ -1,7 +1,7 @@
 """vLLM behind the `RolloutEngine` protocol: weight sync, request mapping, rollout assembly.
 
 Weight sync: `export` writes the params as an HF folder in the server's dtype (bf16 for a bf16 or
-FP8 server), shard by shard from every trainer process (opdjax.rollout.weights), a fresh folder for
+FP8 server), shard by shard from every trainer process (opdjax.rollout.vllm.weights), a fresh folder for
 every sync (in shared memory, /dev/shm, when a single-process engine started its server); `load` has
 vLLM pause (letting requests in flight finish), `reload_weights(weights_path=...)` in place, reset
 its prefix cache (cached KV blocks were computed with the old weights) and resume, then has every
@@ -13,7 +13,7 @@ already fake-quantized, noised or lagged (`capabilities`); vLLM's own precision 
 Every prompt is its own request with its own seed. A CPU server dies when it splits a seeded
 request's prefill across steps (see `ServerInfo.split_breaks_seeds`), so on such a server a batch is
 sent in waves whose tokens fit its step budget (`--max-num-batched-tokens`); the factory
-(`opdjax.rollout.factory.make_vllm_engine`) sizes that budget so one wave holds a whole batch.
+(`opdjax.rollout.vllm.launch.make_vllm_engine`) sizes that budget so one wave holds a whole batch.
 """
 
 from __future__ import annotations
@@ -33,8 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from opdjax.models.config import ModelConfig
-from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
-from opdjax.rollout.jax_engine import PromptTooLongError, pad_prompts
+from opdjax.rollout.base import (
+  Capabilities,
+  PromptTooLongError,
+  Rollout,
+  RolloutEngine,
+  SamplingParams,
+  WeightUpdate,
+  pad_prompts,
+)
 from opdjax.rollout.vllm.client import ServerDown, ServerInfo, VllmClient, VllmError, error_message, http_json
 from opdjax.rollout.vllm.exporter import HfExporter, served_untied
 from opdjax.rollout.vllm.probe import check_probe
@@ -82,6 +89,11 @@ class VllmEngineBase(RolloutEngine):
   @property
   def weights_path(self) -> str | None:
     return self._weights_path
+
+  def release(self, update: WeightUpdate) -> None:
+    """A version dropped unloaded: its folder goes (never the one the servers hold)."""
+    if update.path and update.path != self._weights_path:
+      shutil.rmtree(update.path, ignore_errors=True)
 
   def hold(self, folder: str) -> None:
     """`folder`, which the servers started from, becomes the weights they hold (moved under the export
@@ -232,6 +244,9 @@ class VllmEngine(VllmEngineBase):
     untie = self._server is not None and served_untied(self._server.model, model_cfg)
     super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info,
                      precision=precision, probe_tolerance=probe_tolerance, probe_action=probe_action, untie=untie)
+
+  def tags(self, version: int) -> dict:
+    return {"rollout_servers": [{"url": self.url, "version": version}]}
 
   @property
   def url(self) -> str:

@@ -1,5 +1,5 @@
 """The weights path of vLLM engines on every trainer process: each export a fresh HF folder in the
-servers' dtype (opdjax.rollout.weights) and the trainer's probe scores of the params it sent
+servers' dtype (opdjax.rollout.vllm.weights) and the trainer's probe scores of the params it sent
 (opdjax.rollout.vllm.probe), the same exporter rebuilt on every process of a multi-process trainer."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 from opdjax.models.config import ModelConfig
 from opdjax.rollout.base import WeightUpdate
 from opdjax.rollout.vllm.probe import compile_probe, probe_prompt, probe_tolerance, probe_values
-from opdjax.rollout.weights import check_shared, export_dtype, params_mesh, write_folder
+from opdjax.rollout.vllm.weights import check_shared, export_dtype, params_mesh, write_folder
 
 
 class HfExporter:

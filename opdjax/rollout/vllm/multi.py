@@ -46,11 +46,14 @@ class MultiVllmEngine(VllmEngineBase):
     self._pool = cf.ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="opdjax-vllm-multi")
     self._target = version
     info = self.engines[0].client.info()
-    first = getattr(self.engines[0], "exporter", None)  # the servers share a config: the first one's precision
+    first = self.engines[0].exporter  # the servers share a config: the first one's precision
     precision = (first.dtype, first.quantization) if first is not None else ("float32", "")
     super().__init__(model_cfg, pad_id=pad_id, eos_ids=eos_ids, version=version, export_dir=export_dir, info=info,
                      precision=precision, probe_tolerance=probe_tolerance, probe_action=probe_action,
                      untie=first is not None and first.untie)
+
+  def tags(self, version: int) -> dict:
+    return {"rollout_servers": [dict(d) for d in self.served]} if self.served else {}
 
   @property
   def urls(self) -> list[str]:

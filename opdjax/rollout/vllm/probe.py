@@ -29,7 +29,7 @@ from opdjax.models.config import ModelConfig
 from opdjax.models.decoder import Model
 from opdjax.rollout.base import WeightUpdate
 from opdjax.rollout.vllm.client import VllmError
-from opdjax.rollout.weights import export_dtype
+from opdjax.rollout.vllm.weights import export_dtype
 
 log = logging.getLogger(__name__)
 

@@ -281,12 +281,11 @@ def check_config(vcfg, where: str = "rollout.vllm.recipe") -> Recipe:
   if vcfg.dtype != "bfloat16":
     raise UserError(f"{where} with rollout.vllm.dtype={vcfg.dtype!r}: the recipe serves its unquantized layers in bf16"
                     " and vLLM's online FP8 takes bf16 activations; set rollout.vllm.dtype=bfloat16.")
-  for key in ("quantization", "kv_cache_dtype"):
-    if getattr(vcfg, key, ""):
+  for key, value in (("quantization", vcfg.quantization), ("kv_cache_dtype", vcfg.kv_cache_dtype)):
+    if value:
       raise UserError(f"{where} sets the server's --quantization and --kv-cache-dtype; leave rollout.vllm.{key} empty"
-                      f" (now {getattr(vcfg, key)!r}), or drop the recipe.")
-  extra = vcfg.extra_args
-  flags = {a.split("=", 1)[0] for a in (shlex.split(extra) if isinstance(extra, str) else extra or ())}
+                      f" (now {value!r}), or drop the recipe.")
+  flags = {a.split("=", 1)[0] for a in shlex.split(vcfg.extra_args)}
   clash = sorted(flags & set(RECIPE_FLAGS))
   if clash:
     raise UserError(f"{where} sets {', '.join(clash)}; remove them from rollout.vllm.extra_args.")
@@ -295,7 +294,7 @@ def check_config(vcfg, where: str = "rollout.vllm.recipe") -> Recipe:
 
 def server_args(vcfg, model_dir: str) -> list[str]:
   """The `vllm serve` flags of `vcfg.recipe` for the model in `model_dir` (its config.json); [] without one."""
-  if not getattr(vcfg, "recipe", ""):
+  if not vcfg.recipe:
     return []
   recipe = check_config(vcfg)
   return translate(recipe, ModelConfig.from_pretrained(model_dir)).args()

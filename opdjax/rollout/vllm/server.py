@@ -27,15 +27,35 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm serve` console
 MIDDLEWARE = f"{auth.__name__}.{auth.TokenAuthMiddleware.__name__}"  # what vLLM's --middleware imports
 INSTALL_HINT = "install it with `bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[vllm]'` (GPU)"
 
-# Runs in the child before vLLM: SIGTERM when the parent dies, even by SIGKILL (no orphan server
-# holding the accelerator), then exec vLLM. Linux only; elsewhere atexit and `stop()` remain.
-# Linux sends it when the *thread* that started the child ends: start servers from a thread that
-# lives as long as they should (the main thread, as the loop does).
-_EXEC_WITH_PARENT_DEATH_SIGNAL = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(os.environ['OPDJAX_PARENT_PID']): sys.exit(1)\n"
-    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+# The server's supervisor: the process opdjax starts (the leader of the server's process group), which
+# runs vLLM as its child and outlives it by nothing. When the trainer dies, even by SIGKILL (a node's
+# OOM killer, a scheduler's preemption), Linux signals it (PR_SET_PDEATHSIG) and it SIGKILLs the whole
+# group at once: the API server, the engine core and every worker. vLLM's own graceful shutdown on
+# SIGTERM kept a server (and a GPU's memory) alive 30-120 s after its trainer died, long enough for a
+# requeued job's server to find the GPU full. `stop()`'s SIGTERM to the group still lets vLLM shut down
+# gracefully (the supervisor waits for it, then ends the group's stragglers) and its exit code is vLLM's.
+# Linux only; elsewhere atexit and `stop()` remain. Linux sends the signal when the *thread* that started
+# the child ends: start servers from a thread that lives as long as they should (the main thread, as
+# the loop does).
+_SUPERVISE = (
+    "import ctypes, os, signal, subprocess, sys\n"
+    "def kill_group(*_):\n"
+    "  os.killpg(0, signal.SIGKILL)  # this process too: nothing of the server outlives the trainer\n"
+    "def stragglers():\n"
+    "  for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+    "    try:\n"
+    "      with open(f'/proc/{pid}/stat') as f:\n"
+    "        if int(pid) != os.getpid() and int(f.read().rsplit(')', 1)[1].split()[2]) == os.getpid():\n"
+    "          os.kill(int(pid), signal.SIGKILL)\n"
+    "    except (OSError, ValueError, IndexError):\n"
+    "      pass\n"
+    "signal.signal(signal.SIGUSR1, kill_group)\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGUSR1)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(os.environ['OPDJAX_PARENT_PID']): kill_group()\n"
+    "signal.signal(signal.SIGTERM, lambda *_: None)  # stop() signals the whole group: vLLM shuts down, this waits\n"
+    "rc = subprocess.Popen([sys.executable, *sys.argv[1:]]).wait()\n"
+    "stragglers()\n"
+    "sys.exit(rc if rc >= 0 else 128 - rc)\n"
 )
 
 # "(Worker pid=5712) ERROR 11-30 16:32:54 [multiproc_executor.py:1063] message": vLLM prefixes its child
@@ -251,7 +271,7 @@ class VllmServer:
       os.close(fd)
     cmd = self.command()
     if sys.platform.startswith("linux"):
-      cmd = [self.python, "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, *cmd[1:]]
+      cmd = [self.python, "-c", _SUPERVISE, *cmd[1:]]
     with open(self.log_path, "ab") as logf:
       self._log_start = logf.tell()
       logf.write(f"\n=== opdjax: starting vLLM at {time.strftime('%F %T')}: {' '.join(self.command())}\n".encode())

@@ -5,7 +5,7 @@ several processes, every process calls `export` and `distribute` at the same poi
 (the trainer's thread: both are collectives), process 0 alone `load`s and `produce`s (no
 collective: the asynchronous producer thread of process 0 may call them):
 - `export` has every process write its own shards of the params into one folder for the servers
-  (opdjax.rollout.weights; no gather), then a barrier;
+  (opdjax.rollout.vllm.weights; no gather), then a barrier;
 - `load` has process 0's servers reload an export;
 - `produce` has process 0 sample the whole batch (host arrays: tokens, mask, log-probs, version);
 - `distribute` broadcasts them (a few integers and log-probs a token) to every process, and each
@@ -22,8 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jax.experimental import multihost_utils
 
-from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
-from opdjax.rollout.jax_engine import pad_prompts
+from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate, pad_prompts
 from opdjax.rollout.vllm.exporter import shared_exporter
 
 
@@ -43,9 +42,9 @@ class PrimaryEngine(RolloutEngine):
     """`make()` builds the real engine, in process 0 only; `capabilities` are its (known to every process)."""
     self.placement, self.capabilities, self.pad_id, self._version = placement, capabilities, pad_id, version
     self.inner = make() if placement.primary else None
-    # A vLLM engine's weights are written by every process, each its own shards (opdjax.rollout.weights):
+    # A vLLM engine's weights are written by every process, each its own shards (opdjax.rollout.vllm.weights):
     # process 0's exporter, rebuilt on the others (one broadcast), its folder checked to be shared.
-    self.exporter = shared_exporter(getattr(self.inner, "exporter", None))
+    self.exporter = shared_exporter(self.inner.exporter if self.inner is not None else None)
 
   @property
   def params_version(self) -> int:
@@ -68,20 +67,13 @@ class PrimaryEngine(RolloutEngine):
       self.inner.load(update)
     self._version = update.version
 
-  @property
-  def weights_path(self) -> str | None:
-    """The export process 0's servers hold (None elsewhere)."""
-    return getattr(self.inner, "weights_path", None)
+  def release(self, update: WeightUpdate) -> None:
+    if self.inner is not None:  # process 0 alone knows which folder its servers hold
+      self.inner.release(update)
 
-  @property
-  def served(self) -> list[dict]:
+  def tags(self, version: int) -> dict:
     """Process 0: which server sampled how many prompts of the last batch at which version."""
-    inner = self.inner
-    served = getattr(inner, "served", None)
-    if served:
-      return served
-    url = getattr(inner, "url", None)
-    return [{"url": url, "version": inner.params_version}] if url else []
+    return self.inner.tags(version) if self.inner is not None else {}
 
   def produce(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Produced:
     """Process 0 only, no collective: the whole batch sampled by its engine, as host arrays."""

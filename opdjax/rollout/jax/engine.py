@@ -18,31 +18,12 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from opdjax.errors import UserError
 from opdjax.models.decoder import Model, positions_from_mask
 from opdjax.models.quant import QArray, check_fp8_support, fp8_matmul_layout, unpack
 from opdjax.parallel.placement import SINGLE
-from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams
+from opdjax.rollout.base import Capabilities, PromptTooLongError, Rollout, RolloutEngine, SamplingParams, pad_prompts
 from opdjax.rollout.sampling import sample
-
-
-class PromptTooLongError(UserError):
-  pass
-
-
-def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, multiple: int = 8):
-  """Left-pads to a length rounded up to `multiple` (bounds recompilation)."""
-  if not prompts or any(len(p) == 0 for p in prompts):
-    raise ValueError("every prompt needs at least one token.")
-  p_len = -(-max(len(p) for p in prompts) // multiple) * multiple
-  toks = np.full((len(prompts), p_len), pad_id, np.int32)
-  mask = np.zeros((len(prompts), p_len), bool)
-  for i, p in enumerate(prompts):
-    toks[i, p_len - len(p):] = p
-    mask[i, p_len - len(p):] = True
-  return toks, mask
 
 
 def install_params(params, model: Model):

@@ -8,16 +8,15 @@ from collections.abc import Sequence
 
 from opdjax.errors import UserError
 from opdjax.models.decoder import Model
-from opdjax.rollout.factory import jax_engine
-from opdjax.rollout.jax_engine import JaxEngine
-from opdjax.rollout.jax_sidecar import JaxSidecarEngine
+from opdjax.rollout.jax.engine import JaxEngine
+from opdjax.rollout.jax.sidecar import JaxSidecarEngine
 
 
 class EngineCache:
-  """`cores` (opdjax.rollout.cpus.CoreSplit, rollout.placement=disaggregated): each engine in a process
-  of its own on `cores.server` (opdjax.rollout.jax_sidecar), the trainer on `cores.trainer`. `teacher`
+  """`cores` (opdjax.rollout.cores.CoreSplit, rollout.placement=disaggregated): each engine in a process
+  of its own on `cores.server` (opdjax.rollout.jax.sidecar), the trainer on `cores.trainer`. `teacher`
   ((Model, params), rollout.teacher_scoring='engine'): each of those processes also scores every
-  rollout with the teacher (opdjax.rollout.teacher); it needs `cores`."""
+  rollout with the teacher (opdjax.rollout.jax.teacher); it needs `cores`."""
 
   def __init__(self, *, max_len: int, pad_id: int, eos_ids: Sequence[int], placement=None, cores=None, teacher=None):
     if teacher is not None and cores is None:
@@ -34,8 +33,8 @@ class EngineCache:
                                                     eos_ids=self.eos_ids, cpus=self.cores.server,
                                                     trainer_cpus=self.cores.trainer, teacher=self.teacher)
       else:
-        self._engines[model.cfg] = jax_engine(model, max_len=self.max_len, pad_id=self.pad_id, eos_ids=self.eos_ids,
-                                              placement=self.placement)
+        self._engines[model.cfg] = JaxEngine(model, None, max_len=self.max_len, pad_id=self.pad_id,
+                                             eos_ids=self.eos_ids, placement=self.placement)
     return self._engines[model.cfg]
 
   def close(self) -> None:

