@@ -40,6 +40,15 @@ from scipy import stats
 OUTCOMES = ("holds", "does not hold", "inconclusive")
 CONFIDENCE = 0.95
 QUALITY = {"reverse_kl": +1, "accuracy": -1}  # sign of "worse", as opdjax.analyses.admission
+FALSIFIERS = {  # per claim, the result that would have made it fail (docs/reproduction.md shows them)
+    "1": "a view passing the tolerance at a larger mismatch than a view whose quality-loss interval lies "
+        "above the tolerance (no budget separates them)",
+    "2": "the recipe's exact KL on held-out prompts at or above the same-memory edge layers' KL there",
+    "4": "TIS leaving the signal error unchanged or larger (paired interval of raw - TIS at or below 0) in "
+        "a view whose prefix-shift part clears the noise floor",
+    "5": "an accepted candidate that degrades in training, or agreement no better than accept-all or "
+        "reject-all on the same candidates",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +127,7 @@ def budget_bracket(points: list[dict], fit: dict, start: dict, runs: dict) -> Ve
   """`points`: calibration points ({view, mismatch, <metric>: [seed values]}, one `clean`), `fit`:
   the calibration's fit (metrics, tolerance, clean_std, tolerance_sigmas, seeds, budget), `start`:
   the step-0 quality, `runs`: {used, budget} training runs (the extension's run budget)."""
-  falsifier = ("a view passing the tolerance at a larger mismatch than a view whose quality-loss interval lies "
-               "above the tolerance (no budget separates them)")
+  falsifier = FALSIFIERS["1"]
   metrics, tol = fit["metrics"], fit["tolerance"]
   clean = next(p for p in points if p["view"] == "clean")
   gain = {m: QUALITY[m] * (start[m] - float(np.median(clean[m]))) for m in metrics}
@@ -172,7 +180,7 @@ def budget_bracket(points: list[dict], fit: dict, start: dict, runs: dict) -> Ve
 def recipe_out_of_sample(recipe_layers, edge_layers, in_sample: dict, heldout: dict | None) -> Verdict:
   """`in_sample`/`heldout`: {recipe_kl, edge_kl, random_kl, num_prompts} on the ranking's prompts and
   on prompts the ranking never saw (None: there were none)."""
-  falsifier = "the recipe's exact KL on held-out prompts at or above the same-memory edge layers' KL there"
+  falsifier = FALSIFIERS["2"]
   ev = {"recipe_layers": list(recipe_layers), "edge_layers": list(edge_layers), "in_sample": in_sample,
         "heldout": heldout}
   if sorted(recipe_layers) == sorted(edge_layers):
@@ -193,8 +201,7 @@ def prefix_shift_vs_floor(views: list[dict], floor: dict) -> Verdict:
   """`views`: [{view, prefix_shift, total_raw, total_tis, prefix_shift_shared}: a list over
   replicates each (the same seeds for every view)]; `floor`: {prefix_shift: [...]}, the clean engine
   against itself with another seed."""
-  falsifier = ("TIS leaving the signal error unchanged or larger (paired interval of raw - TIS at or below 0) in "
-               "a view whose prefix-shift part clears the noise floor")
+  falsifier = FALSIFIERS["4"]
   f_mean, _, f_hi = interval(floor["prefix_shift"])
   rows = []
   for v in views:
@@ -232,8 +239,7 @@ def prefix_shift_vs_floor(views: list[dict], floor: dict) -> Verdict:
 
 def admission_vs_trivial(rows: list[dict], budget_trusted: bool) -> Verdict:
   """`rows`: [{name, verdict: accept|reject, quality_ok: trained within tolerance}] (one a candidate)."""
-  falsifier = ("an accepted candidate that degrades in training, or agreement no better than accept-all or "
-               "reject-all on the same candidates")
+  falsifier = FALSIFIERS["5"]
   n = len(rows)
   agree = sum((r["verdict"] == "accept") == r["quality_ok"] for r in rows)
   ok = sum(r["quality_ok"] for r in rows)
