@@ -147,3 +147,19 @@ def test_claim2_out_of_sample():
 def test_a_verdict_outside_the_three_outcomes_is_refused():
   with pytest.raises(ValueError, match="outcome"):
     V.Verdict("1", "holds (mostly)", "", "", {})
+
+
+def test_study_design_extends_until_a_clear_failure_and_places_candidates_around_the_budget():
+  from opdjax.analyses import study_design
+
+  clean = {"view": "clean", "mismatch": 0.0, "reverse_kl": CLEAN}
+  mild = [clean, point("noise_sigma=0.4", 0.2, 1.01)]
+  assert str(study_design.extend_until_failure(mild, fit_for(mild))) == "noise_sigma=0.8"
+  failed = [*mild, point("noise_sigma=0.8", 0.9, 2.5)]
+  assert study_design.extend_until_failure(failed, fit_for(failed)) is None
+  fams = {"clean": "clean", "noise_sigma=0.4": "noise", "noise_sigma=0.8": "noise"}
+  budget = {"budget": 0.2, "points": [{**p, "family": fams[p["view"]], "pass": p["mismatch"] < 0.5} for p in failed]}
+  lines = study_design.candidates("*>fp8_e4m3", 4, budget).splitlines()
+  noise = {ln.split(":")[0]: float(ln.split("=")[1]) for ln in lines if ln.startswith("noise-")}
+  assert noise == {"noise-below-0.28": 0.28, "noise-between-0.566": 0.566, "noise-beyond-1.2": 1.2}
+  assert len(lines) == 7 and "lag2: lag=2" in lines
