@@ -60,7 +60,18 @@ def load_result(root: str, name: str) -> dict:
   missing = [k for k in (*META, "result") if k not in r]
   if missing:
     raise DocsError(f"{os.path.relpath(path, root)}: missing {', '.join(missing)}")
+  verify_digest(r, os.path.relpath(path, root))
   return r
+
+
+def verify_digest(r: dict, where: str) -> None:
+  """A record carrying a `digest` (written with it by the command that ran, `reporting.record_digest`)
+  must still match it: a field changed afterwards is refused. The result inside (e.g. a
+  reproduction.json) is checked the same way when it carries its own."""
+  for rec, what in ((r, where), (r.get("result"), f"{where}'s result")):
+    if isinstance(rec, dict) and "digest" in rec and rec["digest"] != reporting.record_digest(rec):
+      raise DocsError(f"{what} was changed after its command wrote it (digest mismatch): re-run it with"
+                      " `python scripts/docs.py --refresh NAME` instead of editing the file")
 
 
 def _git(root: str, *args: str) -> str:
@@ -108,6 +119,7 @@ def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
        "load": load_text(load0) if not from_dir else "load not recorded (read from an existing run folder)",
        **({"note": fig.note} if fig.note else {}), "wall_s": None if from_dir else round(time.time() - t0, 1),
        "result": fig.collect(run)}
+  r["digest"] = reporting.record_digest(r)
   reporting.write_json(result_path(root, name), r)
   for path, plot in fig.images:  # not compared by --check (PNG bytes vary with matplotlib), redrawn here
     plot(r["result"], os.path.join(root, path))

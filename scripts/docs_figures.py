@@ -289,13 +289,19 @@ def reproduction_table(r: dict) -> str:
   """scripts/reproduce.py's verdicts, one row a claim, with the stage wall times."""
   import reproduce  # scripts/ (no jax import)
 
+  from opdjax.analyses.verdicts import FALSIFIERS
+
   res = r["result"]
-  lines = ["| claim | paper's statement | result | verdict | stage wall s |", "| --- | --- | --- | --- | --- |"]
+  lines = ["| claim | paper's statement | result | verdict | would have failed on | stage wall s |",
+           "| --- | --- | --- | --- | --- | --- |"]
   for num, stage, title in reproduce.CLAIMS:
     c = res["claims"].get(num)
     wall = res["stages"].get(stage, {}).get("wall_s")
+    # A verdict of the rules before opdjax.analyses.verdicts (no falsifier recorded) is not published.
+    verdict = ("not run" if not c else c.get("label", c["verdict"]) if "falsifier" in c else
+               f"pending a re-run (the old rule said {c['verdict']})")
     lines.append(f"| {num}. {title} | {reproduce.STATEMENTS[num]} | {c['summary'] if c else 'not run'} |"
-                 f" **{c['verdict'] if c else 'not run'}** | {wall if wall is not None else '-'} |")
+                 f" **{verdict}** | {FALSIFIERS[num]} | {wall if wall is not None else '-'} |")
   total = sum(v["wall_s"] for v in res["stages"].values())
   lines += ["", f"All stages: {total / 60:.1f} min ({'complete' if res['complete'] else 'incomplete'}); load average"
             f" {res['load_average']['start']} at start, {res['load_average']['end']} at the end."]

@@ -2,20 +2,20 @@
 
   python scripts/reproduce.py --task smollm2|addition --out DIR [--quick] [--overwrite]
 
-Stages, each the existing analysis called as it is (nothing re-implemented here), run in the order
-sensitivity, prefix shift, calibrate, admission (the cheap ones first):
-  1. calibrate (claim 1): `admission.calibrate` over a noise ladder and FP8/INT8 weights -> budget,
-     with its convergence check (did the clean runs learn beyond the tolerance?).
-  2. sensitivity (claim 2): `sensitivity.run` on the student (the model the rollout engine serves):
-     layer ranking, the recipe's KL against same-memory edge layers; the recipe's KV-token ratio with
-     FP8 KV from `capacity.capacity_table` (what `opdjax kv-capacity` prints).
-  3. admission (claim 5): >= 6 candidates (the sensitivity recipe with and without FP8 KV, the FP8
-     preset, a stale lag, two noise levels) admitted against the budget and trained like calibration
-     points by scripts/validate_admission.py: agreements and false accepts.
-  4. prefix shift (claim 4): `prefix_shift.run` under noise, FP8 and lag: the prefix-shift part of the
-     signal error, and the share of the error TIS removes.
-Writes DIR/reproduction.json (`claims` with a `verdict` each, `stages` with wall seconds) and
-DIR/reproduction.md. A finished stage is kept: the same command into the same DIR resumes.
+Stages, each the existing analysis called as it is, in the order sensitivity, prefix shift,
+calibrate, admission (the cheap ones first); every verdict comes from `opdjax.analyses.verdicts`:
+  2. sensitivity: `sensitivity.run` on the student (the model the engine serves): the ranking and
+     recipe on one prompt set, the recipe's and edge layers' KL re-measured on held-out prompts;
+     the KV-token ratio with FP8 KV from `opdjax kv-capacity` (reported).
+  4. prefix shift: `prefix_shift.run` under noise, FP8 and lag, `REPLICATES` seeds: each view's
+     prefix-shift part with an interval, against the noise floor's.
+  1. calibrate: `admission.calibrate` over the config's views, extended (noise doubled, at most
+     `EXTRA_VIEWS` views more) until one fails with its interval clear of the tolerance.
+  5. admission: 7 candidates (the recipe with and without FP8 KV, FP8 e5m2, a lag, three noise
+     levels placed from the calibration to straddle the budget) admitted and trained by
+     scripts/validate_admission.py, scored against accept-all and reject-all.
+Writes DIR/reproduction.json (`claims`: verdict, label, reason, falsifier, evidence; `stages` with
+wall seconds; a `digest` of the record) and DIR/reproduction.md. The same command resumes DIR.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ BUDGETS = {
                          "prefix_shift.views": "noise_sigma=0.3;lag=2", "prefix_shift.warmup_steps": 2,
                          "prefix_shift.num_prompts": 16},
     ("smollm2", False): {"task.path": "builtin:chat_instructions_sweep", "task.num_eval": 32,
-                         "sensitivity.model": "student"},
+                         "sensitivity.model": "student", "prefix_shift.num_prompts": 12},
     ("smollm2", True): {"task.path": "builtin:chat_instructions_sweep", "task.num_eval": 8, "rollout.batch_size": 4,
                         "rollout.max_new_tokens": 8,
                         "calibrate.views": "clean;noise_sigma=0.2;weights=fp8", "calibrate.steps": 1,
@@ -62,6 +62,10 @@ BUDGETS = {
                         "sensitivity.num_prompts": 2, "prefix_shift.views": "noise_sigma=0.2;lag=1",
                         "prefix_shift.warmup_steps": 1, "prefix_shift.num_prompts": 4},
 }
+# The study's design beyond the config: calibration views added (noise doubled) until one fails
+# clearly, and prefix-shift replicates (seeds) for its intervals.
+EXTRA_VIEWS = {("addition", False): 2, ("addition", True): 1, ("smollm2", False): 2, ("smollm2", True): 1}
+REPLICATES = {("addition", False): 3, ("addition", True): 2, ("smollm2", False): 3, ("smollm2", True): 2}
 CONFIGS = {"addition": None, "smollm2": os.path.join(ROOT, "configs", "smollm2_study.py")}
 STATEMENTS = {
     "1": "OPD tolerates rollout/trainer mismatch up to a budget on one scale (exact KL per token): quality stays "
@@ -79,16 +83,10 @@ class ReproduceError(Exception):
   """A bad input: one line, exit 2."""
 
 
-def _candidates(recipe_weights: str, cfg) -> str:
-  """>= 6 candidate views: the sensitivity recipe (with and without FP8 KV), the FP8 preset, a stale
-  lag within the protocol's history, and noise levels between and beyond the calibration's ladder."""
-  lag = max(1, cfg.calibrate.warmup_steps // 2)
-  sigmas = sorted(v.noise_sigma for v in _views(cfg.calibrate.views) if v.noise_sigma > 0) or [0.1]
-  mid, top = sigmas[len(sigmas) // 2], sigmas[-1]
-  lines = [f"fp8-recipe: weights={recipe_weights}", f"fp8-recipe-kv8: weights={recipe_weights},kv_quant=fp8_e4m3",
-           "fp8-e5m2: weights=fp8_e5m2", f"lag{lag}: lag={lag}", f"noise{mid * 1.5:g}: noise_sigma={mid * 1.5:g}",
-           f"noise{top * 2:g}: noise_sigma={top * 2:g}"]
-  return "\n".join(lines) + "\n"
+def _claim(verdict, **fields) -> dict:
+  """A stage's claim entry: the verdict module's outcome, label, reason, falsifier and evidence."""
+  return {"verdict": verdict.outcome, "label": verdict.label, "summary": verdict.reason,
+          "falsifier": verdict.falsifier, "evidence": verdict.to_dict()["evidence"], **fields}
 
 
 def _views(spec: str):
@@ -106,35 +104,29 @@ def _script(name: str):
 
 # --- stages ------------------------------------------------------------------------------------
 
-def stage_calibrate(cfg, out: str) -> dict:
-  from opdjax.analyses import admission
+def stage_calibrate(cfg, out: str, extra_views: int) -> dict:
+  from opdjax.analyses import admission, study_design, verdicts
   from opdjax.pipeline.budget import load_budget
 
   path = os.path.join(out, "calibration", "budget.json")
-  budget = load_budget(path) if os.path.exists(path) else admission.calibrate(cfg, os.path.dirname(path))
-  fit = budget["fit"]
+  if os.path.exists(path):
+    budget = load_budget(path)
+  else:
+    max_runs = (len(_views(cfg.calibrate.views)) + extra_views) * cfg.calibrate.seeds
+    budget = admission.calibrate(cfg, os.path.dirname(path), extend=study_design.extend_until_failure,
+                                 max_runs=max_runs)
+  fit, ext = budget["fit"], budget["extension"]
+  v = verdicts.budget_bracket(budget["points"], fit, budget["start"], {"used": ext["runs"], "budget": ext["max_runs"]})
   points = [{"view": p["view"], "mismatch": p["mismatch"], "ci": p["mismatch_ci"], "pass": p["pass"],
              **{f"{m}_median": float(np.median(p[m])) for m in fit["metrics"]}} for p in budget["points"]]
-  converged = budget["warning"] is None
-  found_edge = fit["smallest_failing_mismatch"] is not None
-  if not converged:
-    verdict = "inconclusive"
-  elif not fit["monotone"] or budget["budget"] <= 0:
-    verdict = "does not hold"
-  else:
-    verdict = "holds"
-  edge = (f"smallest failing view at {fit['smallest_failing_mismatch']:.3g}" if found_edge else
-          "no view failed: a lower bound")
-  learned = "learned" if converged else "did not learn: " + budget["warning"]
-  summary = f"budget {budget['budget']:.3g} nats/token ({edge}); clean runs {learned}"
-  return {"verdict": verdict, "summary": summary, "budget": budget["budget"], "converged": converged,
-          "warning": budget["warning"], "monotone": fit["monotone"], "upper_edge_found": found_edge,
-          "smallest_failing_mismatch": fit["smallest_failing_mismatch"], "tolerance": fit["tolerance"],
-          "points": points, "budget_path": path, "pngs": [os.path.join("calibration", "budget.png")]}
+  return _claim(v, budget=budget["budget"], converged=budget["warning"] is None, warning=budget["warning"],
+                monotone=fit["monotone"], smallest_failing_mismatch=fit["smallest_failing_mismatch"],
+                tolerance=fit["tolerance"], extension=ext, points=points, budget_path=path,
+                pngs=[os.path.join("calibration", "budget.png")])
 
 
 def stage_sensitivity(cfg, out: str) -> dict:
-  from opdjax.analyses import sensitivity
+  from opdjax.analyses import reporting, sensitivity, verdicts
   from opdjax.cli import main as cli_main
   from opdjax.pipeline.build import load_model, make_task
 
@@ -150,7 +142,7 @@ def stage_sensitivity(cfg, out: str) -> dict:
   # KV and the paper's protocol: one layer's KV (the most sensitive) kept in BF16.
   model, _ = load_model(cfg.sensitivity.model, cfg, make_task(cfg))
   model_json = os.path.join(d, "model_config.json")
-  reporting_write(model_json, model.cfg.to_hf_dict())
+  reporting.write_json(model_json, model.cfg.to_hf_dict())
   kv_json = os.path.join(d, "kv_capacity.json")
   kv_keep = res["ranking"]["layers"][:1]
   if cli_main(["kv-capacity", "--model", model_json, "--recipe", os.path.join(d, "recipe.json"), "--memory-gib",
@@ -161,63 +153,51 @@ def stage_sensitivity(cfg, out: str) -> dict:
   row = next(r for r in table["rows"] if r["weights"] != "bf16" and r["kv"].startswith("fp8"))
   kv_ratio = row["kv_tokens_ratio"]
   n = model.cfg.num_layers
-  beats_edge = rec["measured_kl"] < base["edge"]["kl"]
-  if sorted(rec["bf16_layers"]) == sorted(base["edge"]["bf16_layers"]):
-    verdict = "inconclusive"  # the measured ranking picked the edge layers themselves
-  else:
-    verdict = "holds" if beats_edge else "does not hold"
-  summary = (f"recipe k={rec['k']} bf16 layers {rec['bf16_layers']}: KL {rec['measured_kl']:.3g} vs edge layers "
-             f"{base['edge']['kl']:.3g} ({100 * (base['edge']['kl'] / rec['measured_kl'] - 1):+.0f}% for edge); "
-             f"KV tokens {kv_ratio:.3f}x with FP8 KV, layer {kv_keep[0]} in BF16 (2L/(L+1) = {2 * n / (n + 1):.3f}"
-             f" for L={n}; paper {KV_PAPER_RATIO}x at L=28)")
-  return {"verdict": verdict, "summary": summary, "model": cfg.sensitivity.model,
-          "top_layers": res["ranking"]["layers"][:5], "top_kinds": res["ranking"]["kinds"][:3],
-          "recipe_k": rec["k"], "recipe_bf16_layers": rec["bf16_layers"], "recipe_kl": rec["measured_kl"],
-          "target_kl": rec["target_kl"], "target_met": rec["target_met"], "edge_kl": base["edge"]["kl"],
-          "random_kl": base["random"]["kl"], "kl_all_quantized": rec["kl_all_quantized"],
-          "recipe_beats_edge": beats_edge, "recipe_weights": rec["weights"], "kv_tokens_ratio": kv_ratio,
-          "kv_bf16_layers": kv_keep, "kv_ratio_meets_paper": kv_ratio >= KV_PAPER_RATIO, "num_layers": n,
-          "memory_gib": cfg.admit.memory_gib,
-          "pngs": [os.path.join("sensitivity", f) for f in ("sensitivity.png", "sensitivity_recipe.png")]}
+  in_sample = {"recipe_kl": rec["measured_kl"], "edge_kl": base["edge"]["kl"], "random_kl": base["random"]["kl"],
+               "num_prompts": res["num_sequences"]}
+  v = verdicts.recipe_out_of_sample(rec["bf16_layers"], base["edge"]["bf16_layers"], in_sample, res.get("heldout"))
+  claim = _claim(v, model=cfg.sensitivity.model, top_layers=res["ranking"]["layers"][:5],
+                 top_kinds=res["ranking"]["kinds"][:3], recipe_k=rec["k"], recipe_bf16_layers=rec["bf16_layers"],
+                 recipe_kl=rec["measured_kl"], target_kl=rec["target_kl"], target_met=rec["target_met"],
+                 edge_kl=base["edge"]["kl"], random_kl=base["random"]["kl"], heldout=res.get("heldout"),
+                 kl_all_quantized=rec["kl_all_quantized"], recipe_weights=rec["weights"], kv_tokens_ratio=kv_ratio,
+                 kv_bf16_layers=kv_keep, kv_ratio_meets_paper=kv_ratio >= KV_PAPER_RATIO, num_layers=n,
+                 memory_gib=cfg.admit.memory_gib,
+                 pngs=[os.path.join("sensitivity", f) for f in ("sensitivity.png", "sensitivity_recipe.png")])
+  claim["summary"] += (f"; recipe k={rec['k']} bf16 layers {rec['bf16_layers']}, in-sample KL {rec['measured_kl']:.3g}"
+                       f" vs edge {base['edge']['kl']:.3g}; KV tokens {kv_ratio:.3f}x with FP8 KV, layer {kv_keep[0]}"
+                       f" in BF16 (2L/(L+1) = {2 * n / (n + 1):.3f} for L={n}; paper {KV_PAPER_RATIO}x at L=28)")
+  return claim
 
 
 def stage_admission(cfg, out: str, budget_path: str, recipe_weights: str) -> dict:
+  from opdjax.analyses import study_design, verdicts
+  from opdjax.pipeline.budget import load_budget
+
+  budget = load_budget(budget_path)
   d = os.path.join(out, "validation")
   path = os.path.join(d, "validation.json")
   if not os.path.exists(path):
     os.makedirs(d, exist_ok=True)
     cands = os.path.join(d, "candidates.txt")
     with open(cands, "w") as f:
-      f.write(_candidates(recipe_weights, cfg))
+      f.write(study_design.candidates(recipe_weights, cfg.calibrate.warmup_steps, budget))
     if _script("validate_admission").main(["--out", d, "--budget", budget_path, "--candidates", cands]) != 0:
       raise RuntimeError("scripts/validate_admission.py failed")
   with open(path) as f:
     val = json.load(f)
   rows = val["rows"]
-  false_accepts = [r["name"] for r in rows if r["verdict"] == "accept" and not r["quality_ok"]]
-  accepts = sum(r["verdict"] == "accept" for r in rows)
-  from opdjax.pipeline.budget import load_budget
-
-  untrusted = load_budget(budget_path)["warning"]
-  if accepts == 0 or untrusted:  # nothing admitted, or clean runs that did not learn: nothing to predict
-    verdict = "inconclusive"
-  elif false_accepts or val["agree"] < val["total"] / 2:
-    verdict = "does not hold"
-  else:
-    verdict = "holds"
-  summary = (f"{val['agree']}/{val['total']} verdicts agree with trained quality; false accepts: "
-             f"{len(false_accepts)}{' (' + ', '.join(false_accepts) + ')' if false_accepts else ''}; "
-             f"{accepts} accepted")
-  return {"verdict": verdict, "summary": summary, "agree": val["agree"], "total": val["total"],
-          "false_accepts": false_accepts, "accepts": accepts,
-          "rows": [{k: r[k] for k in ("name", "view", "mismatch", "ci_high", "verdict", "quality_ok", "agrees",
-                                      "admit_s", "train_s")} for r in rows],
-          "pngs": [os.path.join("validation", "validation.png"), os.path.join("validation", "admission",
-                                                                                   "admission.png")]}
+  v = verdicts.admission_vs_trivial(rows, budget_trusted=budget["warning"] is None)
+  ev = v.evidence
+  return _claim(v, agree=ev["agree"], total=ev["total"], false_accepts=ev["false_accepts"], accepts=ev["accepts"],
+                rows=[{k: r[k] for k in ("name", "view", "mismatch", "ci_high", "verdict", "quality_ok", "agrees",
+                                         "admit_s", "train_s")} for r in rows],
+                pngs=[os.path.join("validation", "validation.png"),
+                      os.path.join("validation", "admission", "admission.png")])
 
 
-def stage_prefix_shift(cfg, out: str) -> dict:
-  from opdjax.analyses import prefix_shift
+def stage_prefix_shift(cfg, out: str, replicates: int) -> dict:
+  from opdjax.analyses import prefix_shift, verdicts
 
   d = os.path.join(out, "prefix_shift")
   path = os.path.join(d, "prefix_shift.json")
@@ -225,34 +205,18 @@ def stage_prefix_shift(cfg, out: str) -> dict:
     with open(path) as f:
       res = json.load(f)
   else:
-    res = prefix_shift.run(cfg, d, progress=False)
-  views = []
-  for name, r in res["views"].items():
-    g = r["grad"]
-    raw, tis = g["rel_total_raw"], g["rel_total_tis"]
-    views.append({"view": name, "family": r["family"], "frac_diverged": r["divergence"]["frac_diverged"],
-                  "per_token": g["rel_per_token"], "prefix_shift": g["rel_prefix_shift"], "total_raw": raw,
-                  "total_tis": tis, "tis_removed_share": (raw - tis) / raw if raw > 0 else 0.0,
-                  "prefix_shift_shared": g["rel_prefix_shift_shared"]})
-  shared_zero = all(v["prefix_shift_shared"] == 0.0 for v in views)
-  # TIS removes part of the error (per-token) and leaves the prefix-shift part wherever samples diverged.
-  tis_helps = all(v["tis_removed_share"] > 0 for v in views if v["per_token"] > 0)
-  leftover = all(v["total_tis"] > 0 for v in views if v["frac_diverged"] > 0)
-  verdict = "holds" if shared_zero and tis_helps and leftover else "does not hold"
-  shares = ", ".join(f"{v['view']} {100 * v['tis_removed_share']:.0f}%" for v in views)
-  summary = (f"TIS removes {shares} of the signal error; prefix-shift part "
-             f"{min(v['prefix_shift'] for v in views):.2g}-{max(v['prefix_shift'] for v in views):.2g} of ‖G_clean‖ "
-             f"(noise floor {res['noise_floor']['grad']['rel_prefix_shift']:.2g}); zero before the first divergence: "
-             f"{shared_zero}")
-  return {"verdict": verdict, "summary": summary, "views": views, "prefix_shift_zero_when_shared": shared_zero,
-          "noise_floor_prefix_shift": res["noise_floor"]["grad"]["rel_prefix_shift"],
-          "pngs": [os.path.join("prefix_shift", "divergence.png"), os.path.join("prefix_shift", "signal_error.png")]}
-
-
-def reporting_write(path: str, obj) -> None:
-  from opdjax.analyses import reporting
-
-  reporting.write_json(path, obj)
+    res = prefix_shift.run(cfg, d, progress=False, replicates=replicates)
+  reps = res["replicates"]
+  keys = {"prefix_shift": "rel_prefix_shift", "total_raw": "rel_total_raw", "total_tis": "rel_total_tis",
+          "prefix_shift_shared": "rel_prefix_shift_shared", "per_token": "rel_per_token"}
+  views = [{"view": name, "family": r["family"], "frac_diverged": r["divergence"]["frac_diverged"],
+            **{k: [rep[name][g] for rep in reps] for k, g in keys.items()}} for name, r in res["views"].items()]
+  floor = {"prefix_shift": [rep["noise_floor"]["rel_prefix_shift"] for rep in reps]}
+  v = verdicts.prefix_shift_vs_floor(views, floor)
+  return _claim(v, views=views, noise_floor=floor, replicates=len(reps),
+                prefix_shift_zero_when_shared=v.evidence["sanity"]["prefix_shift_zero_when_shared"],
+                pngs=[os.path.join("prefix_shift", "divergence.png"),
+                      os.path.join("prefix_shift", "signal_error.png")])
 
 
 # --- verdict table -----------------------------------------------------------------------------
@@ -277,8 +241,9 @@ def markdown(result: dict, other: dict | None) -> str:
     cells = []
     for task in ("addition", "smollm2"):
       c = runs.get(task, {}).get("claims", {}).get(num)
-      cells.append(f"{c['summary']} (**{c['verdict']}**)" if c else "not run")
-    held = " / ".join(f"{t}: {runs[t]['claims'][num]['verdict']}" for t in runs if num in runs[t]["claims"])
+      cells.append(f"{c['summary']} (**{c.get('label', c['verdict'])}**)" if c else "not run")
+    got = {t: runs[t]["claims"][num] for t in runs if num in runs[t]["claims"]}
+    held = " / ".join(f"{t}: {c.get('label', c['verdict'])}" for t, c in got.items())
     lines.append(f"| {num}. {title} | {STATEMENTS[num]} | {cells[0]} | {cells[1]} | {held} |")
   lines += ["", "Stage wall times (s): " + ", ".join(f"{k} {v['wall_s']}" for k, v in result["stages"].items())
             + ("" if result["complete"] else " (incomplete: the stages not listed did not finish)"), "", "Figures:", ""]
@@ -354,6 +319,8 @@ def run(args) -> dict:
     result["wall_s"] = round(time.time() - t0, 1)
     result["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     result["load_average"] = {"start": round(load0[0], 1), "end": round(os.getloadavg()[0], 1)}
+    result.pop("digest", None)
+    result["digest"] = reporting.record_digest(result)  # docs.py refuses the file if a field changes later
     reporting.write_json(path, result)
     reporting.write_text(os.path.join(args.out, "reproduction.md"), markdown(result, other))
 
@@ -366,13 +333,14 @@ def run(args) -> dict:
     result["claims"][num] = out
     result["claims"] = dict(sorted(result["claims"].items()))
     write()
-    print(f"[reproduce] {name}: {out['verdict']} ({out['summary']}) in {took['wall_s']} s", flush=True)
+    print(f"[reproduce] {name}: {out['label']} ({out['summary']}) in {took['wall_s']} s", flush=True)
     return out
 
   # The cheap stages first: on a slow box a run stopped early still has claims 2 and 4.
+  kind = (args.task, args.quick)
   sens = stage("2", "sensitivity", stage_sensitivity)
-  stage("4", "prefix_shift", stage_prefix_shift)
-  cal = stage("1", "calibrate", stage_calibrate)
+  stage("4", "prefix_shift", stage_prefix_shift, REPLICATES[kind])
+  cal = stage("1", "calibrate", stage_calibrate, EXTRA_VIEWS[kind])
   stage("5", "admission", stage_admission, cal["budget_path"], sens["recipe_weights"])
   result["complete"] = True
   write()
@@ -400,7 +368,7 @@ def main(argv=None) -> int:
       print(f"reproduce: error: {e}", file=sys.stderr)
       return 2
     raise
-  print("\n".join(f"claim {k}: {c['verdict']}: {c['summary']}" for k, c in result["claims"].items()))
+  print("\n".join(f"claim {k}: {c['label']}: {c['summary']}" for k, c in result["claims"].items()))
   print(f"wrote {args.out}/reproduction.json and reproduction.md in {result['wall_s']} s")
   return 0
 

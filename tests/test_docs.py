@@ -101,3 +101,24 @@ def test_every_result_file_says_where_it_came_from():
     r = docs.load_result(ROOT, path.removesuffix(".json"))
     assert r["command"] and r["commit"] and r["machine"] and r["date"], path
     assert r["measured"] == "fresh run" or r["measured"].startswith("as recorded at commit "), path
+
+
+def test_a_result_changed_after_its_command_wrote_it_is_refused(tmp_path, capsys):
+  from opdjax.analyses import reporting
+
+  root = _copy(tmp_path)
+  path = root / "docs" / "results" / "reproduction_smollm2.json"
+  r = json.loads(path.read_text())
+  r["result"]["digest"] = reporting.record_digest(r["result"])  # as scripts/reproduce.py writes it
+  r["digest"] = reporting.record_digest(r)  # as docs.py --refresh writes it
+  path.write_text(json.dumps(r))
+  assert docs.main(["--check", "--root", str(root)]) == 0, capsys.readouterr().err
+  outer = json.loads(json.dumps(r))
+  outer["measured"] = "fresh run, edited"  # a provenance field changed by hand
+  inner = json.loads(json.dumps(r))
+  inner["result"]["claims"]["1"]["verdict"] = "does not hold"
+  inner["digest"] = reporting.record_digest(inner)  # even with the outer digest redone, the run's own refuses
+  for bad in (outer, inner):
+    path.write_text(json.dumps(bad))
+    assert docs.main(["--check", "--root", str(root)]) == 2
+    assert "was changed after its command wrote it" in capsys.readouterr().err

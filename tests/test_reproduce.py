@@ -5,10 +5,13 @@ import os
 
 import pytest
 
-FIELDS = {  # every stage's claim carries these (plus verdict, summary, pngs)
-    "1": ("budget", "converged", "monotone", "points", "tolerance", "smallest_failing_mismatch"),
-    "2": ("recipe_kl", "edge_kl", "recipe_beats_edge", "kv_tokens_ratio", "top_layers", "recipe_weights"),
-    "4": ("views", "prefix_shift_zero_when_shared", "noise_floor_prefix_shift"),
+from opdjax.analyses import reporting
+
+COMMON = ("verdict", "label", "summary", "falsifier", "evidence", "pngs")  # from opdjax.analyses.verdicts
+FIELDS = {
+    "1": ("budget", "converged", "monotone", "points", "tolerance", "smallest_failing_mismatch", "extension"),
+    "2": ("recipe_kl", "edge_kl", "heldout", "kv_tokens_ratio", "top_layers", "recipe_weights"),
+    "4": ("views", "prefix_shift_zero_when_shared", "noise_floor", "replicates"),
     "5": ("agree", "total", "false_accepts", "accepts", "rows"),
 }
 
@@ -26,7 +29,7 @@ def test_addition_quick_end_to_end(demo_cache, tmp_path, reproduce, capsys):
   assert set(result["claims"]) == {"1", "2", "4", "5"}
   for num, claim in result["claims"].items():
     assert claim["verdict"] in reproduce.VERDICTS, (num, claim["verdict"])
-    for field in FIELDS[num]:
+    for field in (*COMMON, *FIELDS[num]):
       assert field in claim, (num, field)
     for png in claim["pngs"]:
       assert (out / png).stat().st_size > 0, png
@@ -37,21 +40,30 @@ def test_addition_quick_end_to_end(demo_cache, tmp_path, reproduce, capsys):
   assert not c1["converged"] and c1["verdict"] == "inconclusive" and "did not improve" in c1["warning"]
   views = {p["view"] for p in c1["points"]}
   assert {"clean", "weights=fp8", "weights=int8"} <= views
-  # >= 6 candidates, each admitted and trained; the counts add up.
+  # No view failed clearly, so the calibration spent its run budget doubling the top noise (0.5 -> 1.0).
+  assert c1["extension"] == {"max_runs": 10, "runs": 10, "added": ["noise_sigma=1.0"]} and "noise_sigma=1.0" in views
+  # 7 candidates, each admitted and trained; the counts add up; three noise levels placed around the budget.
   c5 = result["claims"]["5"]
-  assert c5["total"] == len(c5["rows"]) >= 6
+  assert c5["total"] == len(c5["rows"]) == 7
+  assert [r["name"].split("-")[1] for r in c5["rows"] if r["name"].startswith("noise-")] == ["below", "between",
+                                                                                               "beyond"]
+  # Nothing can degrade in two steps: accept-all would score every verdict right, so claim 5 is not called.
+  assert c5["verdict"] == "inconclusive" and c5["evidence"]["accept_all"] == 7
   assert c5["agree"] == sum(r["agrees"] for r in c5["rows"])
   assert c5["false_accepts"] == [r["name"] for r in c5["rows"] if r["verdict"] == "accept" and not r["quality_ok"]]
   assert any(r["name"] == "fp8-recipe" and result["claims"]["2"]["recipe_weights"] in r["view"] for r in c5["rows"])
   # Prefix shift: the prefix-shift part is exactly zero before the first divergence (the analysis' own check).
   c4 = result["claims"]["4"]
-  assert c4["prefix_shift_zero_when_shared"] and len(c4["views"]) == 2
-  assert all(-1e-6 <= v["tis_removed_share"] <= 1 + 1e-6 or v["total_raw"] == 0 for v in c4["views"])
+  assert c4["prefix_shift_zero_when_shared"] and len(c4["views"]) == 2 and c4["replicates"] == 2
+  assert all(len(v["prefix_shift"]) == 2 for v in c4["views"]) and len(c4["noise_floor"]["prefix_shift"]) == 2
+  assert c4["evidence"]["replicates"] == 2
   # FP8 KV with one layer's KV in bf16: 2L/(L+1) the bf16 tokens (the tiny weights barely count).
   c2 = result["claims"]["2"]
   n = c2["num_layers"]
   assert c2["kv_bf16_layers"] == c2["top_layers"][:1]
   assert c2["kv_tokens_ratio"] == pytest.approx(2 * n / (n + 1), rel=0.01)
+  assert c2["heldout"]["num_prompts"] == 8 and c2["heldout"]["recipe_kl"] >= 0  # the 8 eval prompts after the ranking's
+  assert result["digest"] == reporting.record_digest(result)
   md = (out / "reproduction.md").read_text()
   assert "| claim | paper's statement | toy (addition) result | SmolLM2 result | holds? |" in md
   assert md.count("\n| ") >= 5 and "not run" in md  # the SmolLM2 column is empty in an addition-only run

@@ -122,7 +122,9 @@ def untrusted(points: list[dict], fit: dict, start: dict) -> str:
   return ""
 
 
-def calibrate(cfg: Config, out_dir: str, progress: bool = True) -> dict:
+def calibrate(cfg: Config, out_dir: str, progress: bool = True, extend=None, max_runs: int | None = None) -> dict:
+  """`extend(points, fit) -> EngineView | None`: after the configured views, the next view to add
+  (None: stop), asked while fewer than `max_runs` training runs (views x seeds) have been spent."""
   c = cfg.calibrate
   views, max_lag = parse_views(c.views, c.warmup_steps, "calibrate")
   require_clean(views, f"calibrate.views={c.views!r}")
@@ -135,7 +137,8 @@ def calibrate(cfg: Config, out_dir: str, progress: bool = True) -> dict:
   session = Session(sweep_config(cfg, c.steps, c.eval_every), progress=progress)
   cal = Calibration(session, c.warmup_steps, c.num_prompts, c.seed, max_lag)
   points, curves = [], {}
-  for view in progress_bar(views, desc="calibrate views", enabled=progress):
+
+  def add(view):
     kl, mask = cal.kl_tokens(view)
     mean, lo, hi = bootstrap_interval(kl, mask, cfg.admit.bootstrap, cfg.admit.confidence)
     point = {"view": str(view), "family": family(view), "mismatch": mean, "mismatch_ci": [lo, hi],
@@ -148,8 +151,20 @@ def calibrate(cfg: Config, out_dir: str, progress: bool = True) -> dict:
         point[k].append(v)
       point["train_mismatch_kl_k3"].append(float(np.mean([r["mismatch_kl_k3_tok"] for r in records[1:]])))
     points.append(point)
-  session.close()
+    return start
+
+  for view in progress_bar(views, desc="calibrate views", enabled=progress):
+    start = add(view)
   fit = fit_budget(points, c.seeds, c.tolerance_sigmas, c.tolerance_rel)
+  added = []
+  while extend is not None and (len(points) + 1) * c.seeds <= (max_runs or 0):
+    view = extend(points, fit)
+    if view is None or str(view) in {p["view"] for p in points}:
+      break
+    add(view)
+    added.append(str(view))
+    fit = fit_budget(points, c.seeds, c.tolerance_sigmas, c.tolerance_rel)
+  session.close()
   why = untrusted(points, fit, start)
   if why and not c.force:
     raise UserError(f"no budget written: {why}. Raise calibrate.steps (now {c.steps}) so the clean runs learn,"
@@ -158,7 +173,8 @@ def calibrate(cfg: Config, out_dir: str, progress: bool = True) -> dict:
       "format": BUDGET_FORMAT,
       "budget": fit["budget"],
       "scale": "token mean of exact KL(engine || trainer) on the calibration batch",
-      "fit": fit, "points": points, "protocol": cal.protocol,
+      "fit": fit, "points": points, "protocol": cal.protocol, "start": {m: start[m] for m in fit["metrics"]},
+      "extension": {"max_runs": max_runs, "runs": len(points) * c.seeds, "added": added},
       "warning": why or None,
       "student_fingerprint": params_fingerprint(session.student_params),
       "config": cfg.to_dict(),

@@ -269,7 +269,10 @@ def family(view: EngineView) -> tuple[str, float | str]:
   return "other", str(view)
 
 
-def run(cfg: Config, out_dir: str | None = None, progress: bool = True) -> dict:
+def run(cfg: Config, out_dir: str | None = None, progress: bool = True, replicates: int = 1) -> dict:
+  """`replicates` > 1: the whole measurement (clean rollout, noise floor, every view) repeated with
+  seeds `prefix_shift.seed + 1000 r` on the same prompts and warmed-up params; each replicate's
+  `grad` numbers go to `results["replicates"]` (replicate 0 is the main result)."""
   pc = cfg.prefix_shift
   views, max_lag = parse_views(pc.views, pc.warmup_steps, "prefix_shift")
   session = Session(cfg, progress=progress)
@@ -304,6 +307,17 @@ def run(cfg: Config, out_dir: str | None = None, progress: bool = True) -> dict:
       results["views"][name] = row
   results["clean"] = {"grad_norm": results["noise_floor"]["grad"]["clean_norm"],
                       "reverse_kl": results["noise_floor"]["value"]["clean"]}
+  results["replicates"] = [{"seed": pc.seed, **{r["view"]: r["grad"] for r in (results["noise_floor"],
+                                                                              *results["views"].values())}}]
+  for r in range(1, replicates):
+    seed = pc.seed + 1000 * r
+    clean_r = ps.rollout(student, params, prompts, seed)
+    rep = {"seed": seed}
+    for name, view, s in [("noise_floor", EngineView(), seed + 1)] + [(str(v), v, seed) for v in views]:
+      vmodel, vparams = view.model(student), ps.view_params(view, history)
+      rep[name] = ps.measure(clean_r, ps.rollout(vmodel, vparams, prompts, s), vmodel, vparams, params,
+                             teacher_params).grad
+    results["replicates"].append(rep)
   if out_dir:
     write_outputs(results, out_dir)
   return results

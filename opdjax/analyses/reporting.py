@@ -7,6 +7,7 @@ same folder and `os.replace`. Plots use matplotlib's Agg backend (no display nee
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -31,6 +32,13 @@ def _plain(x):
 
 def write_json(path: str, obj) -> str:
   return _atomic_write(path, (json.dumps(obj, indent=2, default=_plain) + "\n").encode())
+
+
+def record_digest(obj: dict) -> str:
+  """sha256 of the record's canonical JSON without its own `digest` field: written with the record
+  by the command that ran, so a field edited afterwards no longer matches (scripts/docs.py checks)."""
+  body = {k: v for k, v in obj.items() if k != "digest"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True, default=_plain).encode()).hexdigest()
 
 
 def write_csv(path: str, rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:

@@ -275,6 +275,18 @@ def analyse(model: Model, params, scorer: Scorer, settings: Settings, progress: 
   }
 
 
+def score_recipes(model: Model, params, scorer: Scorer, results: dict) -> dict:
+  """The recipe's, the same-memory edge layers' and the random choices' KL re-measured on `scorer`'s
+  tokens (other prompts than the ones the ranking was chosen on): {recipe_kl, edge_kl, random_kl}."""
+  rec, base = results["recipe"], results["baselines"]
+  quant_all = perturb.apply_recipe(params, recipe_rows([], rec["format"], "lm_head" in params))
+  bf16_all = perturb.apply_recipe(params, [("*", "bf16")])
+  kl = lambda layers: scorer.kl(_mix(bf16_all, quant_all, layers))  # noqa: E731
+  return {"recipe_kl": kl(rec["bf16_layers"]), "edge_kl": kl(base["edge"]["bf16_layers"]),
+          "random_kl": float(np.mean([kl(s) for s in base["random"]["bf16_layers"]])),
+          "num_prompts": int(scorer.batch["loss_mask"].shape[0]), "num_tokens": int(jnp.sum(scorer.batch["loss_mask"]))}
+
+
 def compare(a: dict, b: dict) -> dict:
   """How two models' kind rankings agree: Spearman of the KLs over their common kinds, per perturbation."""
   kinds_a, kinds_b = {r["kind"]: r for r in a["kinds"]}, {r["kind"]: r for r in b["kinds"]}
@@ -300,6 +312,14 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str | None = None, progress: bo
                         task.eos_ids)
   scorer = Scorer(model, params, batch, sampling, chunk=cfg.loss.chunk)
   results = analyse(model, params, scorer, settings, progress)
+  # Held out: the next num_prompts evaluation prompts, never seen by the ranking or the recipe search.
+  heldout = task.eval_set()[0][settings.num_prompts: 2 * settings.num_prompts]
+  results["heldout"] = None
+  if len(heldout):
+    batch_h = sample_tokens(model, params, heldout, sampling, settings.seed + 1, cfg.rollout.max_len, task.pad_id,
+                            task.eos_ids)
+    results["heldout"] = score_recipes(model, params, Scorer(model, params, batch_h, sampling, chunk=cfg.loss.chunk),
+                                       results)
   results["model"]["role"] = settings.model
   results["model"]["path"] = getattr(cfg, settings.model).path or f"demo {settings.model} (cached SFT model)"
   results["sampling"] = dataclasses.asdict(sampling)

@@ -1,0 +1,44 @@
+"""scripts/reproduce.py's design choices that give its verdicts power (opdjax.analyses.verdicts):
+which views extend the calibration until one fails, and which admission candidates straddle the
+budget. Pure functions of the calibration's points."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opdjax.analyses import verdicts
+from opdjax.views.view import EngineView
+
+
+def _sigma(view: str) -> float:
+  return EngineView.parse(view).noise_sigma
+
+
+def extend_until_failure(points: list[dict], fit: dict) -> EngineView | None:
+  """`admission.calibrate`'s `extend`: while no view fails with its quality-loss interval clear of
+  the tolerance, the next view doubles the largest noise tried (None: a clear failure exists)."""
+  clean = next(p for p in points if p["view"] == "clean")
+  for p in points:
+    loss = verdicts.view_loss(p, clean, fit["metrics"])
+    if any(loss[m][1] > fit["tolerance"][m] for m in fit["metrics"]):
+      return None
+  top = max(_sigma(p["view"]) for p in points)
+  return EngineView(noise_sigma=float(f"{2 * top:.3g}") if top > 0 else 0.1)
+
+
+def candidates(recipe_weights: str, warmup_steps: int, budget: dict) -> str:
+  """>= 6 candidate lines (`NAME: VIEW`): the sensitivity recipe (with and without FP8 KV), the FP8
+  e5m2 preset, a stale lag within the protocol's history, and three noise levels placed from the
+  calibration to straddle the budget: below the largest passing noise view, between it and the
+  smallest failing one, and beyond that one (the candidate meant to degrade in training; with no
+  failing view, 2x and 3x the largest noise tried)."""
+  noise = [(_sigma(p["view"]), p) for p in budget["points"] if p["family"] == "noise"]
+  passing = [s for s, p in noise if p["pass"] and p["mismatch"] <= budget["budget"]] or [0.05]
+  failing = [s for s, p in noise if not p["pass"]]
+  lo, hi = max(passing), (min(failing) if failing else 2 * max([s for s, _ in noise] or [0.1]))
+  sigmas = {"below": 0.7 * lo, "between": float(np.sqrt(lo * hi)), "beyond": 1.5 * hi}
+  lag = max(1, warmup_steps // 2)
+  lines = [f"fp8-recipe: weights={recipe_weights}", f"fp8-recipe-kv8: weights={recipe_weights},kv_quant=fp8_e4m3",
+           "fp8-e5m2: weights=fp8_e5m2", f"lag{lag}: lag={lag}"]
+  lines += [f"noise-{k}-{v:.3g}: noise_sigma={v:.3g}" for k, v in sigmas.items()]
+  return "\n".join(lines) + "\n"

@@ -1,0 +1,264 @@
+"""Every verdict of the study (scripts/reproduce.py) in one place: pure functions from a stage's
+results (plain dicts) to a `Verdict`.
+
+A verdict is evidence only if the run could have produced the other one, so each rule names the
+outcome that would have made it fail (`falsifier`) and returns "inconclusive" where the run had no
+power to reach it. Intervals are two-sided 95% Student-t intervals (`interval`, `welch`), which are
+wide at the few seeds a CPU run affords: that is what the data say.
+
+Claim 1 (a mismatch budget exists; quality degrades beyond it), `budget_bracket`:
+  quality loss of a view = sign * (median of its seeds - median of the clean seeds) on each metric
+  (the calibration fit's own number); its interval adds +-t * sqrt(s_view^2/n + s_clean^2/n) (Welch).
+  The tolerance is the fit's: k * s_clean * sqrt(2/n) (k = calibrate.tolerance_sigmas, s_clean the
+  clean runs' seed std), floored at tolerance_rel * |clean|. Power: the tolerance must be at most
+  half the clean runs' gain over the starting student (else a view that undid half of what OPD
+  learned would pass); `seeds_needed` is the smallest n for which k * s_clean * sqrt(2/n) is.
+  holds: a passing view below the smallest *clearly* failing view (interval low end above the
+  tolerance), the fitted budget between them, and no passing view above that failure.
+  does not hold: a view passes above a clearly failing one (no budget on this scale separates them).
+  inconclusive: the clean runs did not learn, the run is underpowered, no view failed clearly
+  ("lower bound only"), or no view passed below the failure ("upper bound only").
+Claim 2 (a measured FP8 recipe beats same-memory edge layers), `recipe_out_of_sample`: the ranking
+  is chosen on one prompt set and the recipe's and edge layers' KL measured on held-out prompts.
+Claim 4 (the error's prefix-shift part TIS cannot remove), `prefix_shift_vs_floor`: a view's
+  prefix-shift part counts only where its interval across replicates clears the noise floor's
+  interval; TIS must remove error (paired interval of raw - TIS above 0) in those views. The part
+  being exactly 0 before the first divergence is true by construction: a sanity check only.
+Claim 5 (admission predicts training), `admission_vs_trivial`: agreement with trained quality must
+  beat both accept-all and reject-all on the same candidates, with no false accept among degrading
+  ones; candidates that do not straddle (all fine or all degrading) cannot tell the rules apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from scipy import stats
+
+OUTCOMES = ("holds", "does not hold", "inconclusive")
+CONFIDENCE = 0.95
+QUALITY = {"reverse_kl": +1, "accuracy": -1}  # sign of "worse", as opdjax.analyses.admission
+FALSIFIERS = {  # per claim, the result that would have made it fail (docs/reproduction.md shows them)
+    "1": "a view passing the tolerance at a larger mismatch than a view whose quality-loss interval lies "
+        "above the tolerance (no budget separates them)",
+    "2": "the recipe's exact KL on held-out prompts at or above the same-memory edge layers' KL there",
+    "4": "TIS leaving the signal error unchanged or larger (paired interval of raw - TIS at or below 0) in "
+        "a view whose prefix-shift part clears the noise floor",
+    "5": "an accepted candidate that degrades in training, or agreement no better than accept-all or "
+        "reject-all on the same candidates",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  claim: str
+  outcome: str          # one of OUTCOMES
+  reason: str           # one line: why this outcome
+  falsifier: str        # what result would have made the claim fail
+  evidence: dict        # the numbers the rule used
+  label: str = ""       # the outcome with its qualifier, e.g. "inconclusive (lower bound only)"
+
+  def __post_init__(self):
+    if self.outcome not in OUTCOMES:
+      raise ValueError(f"outcome {self.outcome!r} is not one of {OUTCOMES}")
+    if not self.label:
+      object.__setattr__(self, "label", self.outcome)
+
+  def to_dict(self) -> dict:
+    """Plain JSON: an unbounded interval end (one value) is None."""
+    return _finite(dataclasses.asdict(self))
+
+
+def _finite(x):
+  if isinstance(x, dict):
+    return {k: _finite(v) for k, v in x.items()}
+  if isinstance(x, list | tuple):
+    return [_finite(v) for v in x]
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  return x
+
+
+def interval(values, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+  """(mean, low, high): Student-t interval of the mean; (x, -inf, inf) from a single value."""
+  x = np.asarray(values, np.float64)
+  m = float(x.mean())
+  if x.size < 2:
+    return m, -math.inf, math.inf
+  half = float(stats.t.ppf(0.5 + confidence / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+  return m, m - half, m + half
+
+
+def welch_half_width(a, b, confidence: float = CONFIDENCE) -> float:
+  """Half-width of the Welch interval of mean(a) - mean(b); inf with fewer than 2 values a side."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if a.size < 2 or b.size < 2:
+    return math.inf
+  va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+  se2 = va + vb
+  if se2 == 0:
+    return 0.0
+  df = se2 ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))
+  return float(stats.t.ppf(0.5 + confidence / 2, df) * math.sqrt(se2))
+
+
+def seeds_needed(clean_std: float, gain: float, sigmas: float) -> int | None:
+  """Smallest seed count n with sigmas * clean_std * sqrt(2/n) <= gain / 2 (at least 2; None: no gain)."""
+  if gain <= 0:
+    return None
+  return max(2, math.ceil(2 * (2 * sigmas * clean_std / gain) ** 2))
+
+
+# --- claim 1 --------------------------------------------------------------------------------------
+
+def view_loss(quality: dict, clean: dict, metrics) -> dict:
+  """{metric: (loss, low, high)}: the fit's loss (seed medians) with a Welch half-width."""
+  out = {}
+  for m in metrics:
+    loss = QUALITY[m] * (float(np.median(quality[m])) - float(np.median(clean[m])))
+    half = welch_half_width(quality[m], clean[m])
+    out[m] = (loss, loss - half, loss + half)
+  return out
+
+
+def budget_bracket(points: list[dict], fit: dict, start: dict, runs: dict) -> Verdict:
+  """`points`: calibration points ({view, mismatch, <metric>: [seed values]}, one `clean`), `fit`:
+  the calibration's fit (metrics, tolerance, clean_std, tolerance_sigmas, seeds, budget), `start`:
+  the step-0 quality, `runs`: {used, budget} training runs (the extension's run budget)."""
+  falsifier = FALSIFIERS["1"]
+  metrics, tol = fit["metrics"], fit["tolerance"]
+  clean = next(p for p in points if p["view"] == "clean")
+  gain = {m: QUALITY[m] * (start[m] - float(np.median(clean[m]))) for m in metrics}
+  need = {m: seeds_needed(fit["clean_std"][m], gain[m], fit["tolerance_sigmas"]) for m in metrics}
+  rows = []
+  for p in sorted((p for p in points if p["view"] != "clean"), key=lambda p: p["mismatch"]):
+    loss = view_loss(p, clean, metrics)
+    rows.append({"view": p["view"], "mismatch": p["mismatch"], "loss": {m: list(v) for m, v in loss.items()},
+                 "pass": all(loss[m][0] <= tol[m] for m in metrics),
+                 "clear_fail": any(loss[m][1] > tol[m] for m in metrics)})
+  ev = {"tolerance": tol, "clean_gain": gain, "seeds": fit["seeds"], "seeds_needed": need, "runs": runs,
+        "budget": fit["budget"], "views": rows}
+
+  def verdict(outcome, reason, label=""):
+    return Verdict("1", outcome, reason, falsifier, ev, label)
+
+  unlearned = [m for m in metrics if gain[m] <= tol[m]]
+  if unlearned:
+    return verdict("inconclusive", f"the clean runs did not improve {', '.join(unlearned)} beyond the tolerance: "
+                   "no quality loss can be told from no learning")
+  weak = [m for m in metrics if tol[m] > gain[m] / 2]
+  if weak:
+    return verdict("inconclusive", f"underpowered: the tolerance on {', '.join(weak)} exceeds half the clean runs' "
+                   f"gain (seeds {fit['seeds']}, needed {', '.join(f'{m} {need[m]}' for m in weak)})")
+  fails = [r for r in rows if r["clear_fail"]]
+  if not fails:
+    return verdict("inconclusive", f"no view failed with its interval clear of the tolerance within {runs['used']} of "
+                   f"{runs['budget']} runs: the budget is a lower bound", "inconclusive (lower bound only)")
+  edge = fails[0]["mismatch"]
+  above = [r["view"] for r in rows if r["pass"] and r["mismatch"] > edge]
+  ev["smallest_clear_fail"] = {"view": fails[0]["view"], "mismatch": edge}
+  if above:
+    return verdict("does not hold", f"{', '.join(above)} passed above the clearly failing {fails[0]['view']} "
+                   f"(mismatch {edge:.3g}): quality is not a function of this mismatch scale")
+  below = [r for r in rows if r["pass"] and r["mismatch"] < edge]
+  if not below:
+    return verdict("inconclusive", f"no view passed below the clearly failing {fails[0]['view']}: an upper bound "
+                   "only", "inconclusive (upper bound only)")
+  lo = max(r["mismatch"] for r in below)
+  ev["largest_pass_below"] = {"view": max(below, key=lambda r: r["mismatch"])["view"], "mismatch": lo}
+  if not lo <= fit["budget"] < edge:
+    return verdict("inconclusive", f"the fitted budget {fit['budget']:.3g} is not between the passing view "
+                   f"({lo:.3g}) and the clear failure ({edge:.3g})")
+  return verdict("holds", f"bracketed: passes at {lo:.3g}, budget {fit['budget']:.3g}, fails clearly at {edge:.3g} "
+                 f"({fails[0]['view']})")
+
+
+# --- claim 2 --------------------------------------------------------------------------------------
+
+def recipe_out_of_sample(recipe_layers, edge_layers, in_sample: dict, heldout: dict | None) -> Verdict:
+  """`in_sample`/`heldout`: {recipe_kl, edge_kl, random_kl, num_prompts} on the ranking's prompts and
+  on prompts the ranking never saw (None: there were none)."""
+  falsifier = FALSIFIERS["2"]
+  ev = {"recipe_layers": list(recipe_layers), "edge_layers": list(edge_layers), "in_sample": in_sample,
+        "heldout": heldout}
+  if sorted(recipe_layers) == sorted(edge_layers):
+    return Verdict("2", "inconclusive", "the measured ranking chose the edge layers themselves: nothing to compare",
+                   falsifier, ev)
+  if not heldout:
+    return Verdict("2", "inconclusive", "no held-out prompts: the recipe's KL is in-sample only", falsifier, ev)
+  r, e = heldout["recipe_kl"], heldout["edge_kl"]
+  if r < e:
+    return Verdict("2", "holds", f"held-out KL {r:.3g} (recipe) < {e:.3g} (edge layers) on "
+                   f"{heldout['num_prompts']} unseen prompts", falsifier, ev)
+  return Verdict("2", "does not hold", f"held-out KL {r:.3g} (recipe) >= {e:.3g} (edge layers)", falsifier, ev)
+
+
+# --- claim 4 --------------------------------------------------------------------------------------
+
+def prefix_shift_vs_floor(views: list[dict], floor: dict) -> Verdict:
+  """`views`: [{view, prefix_shift, total_raw, total_tis, prefix_shift_shared}: a list over
+  replicates each (the same seeds for every view)]; `floor`: {prefix_shift: [...]}, the clean engine
+  against itself with another seed."""
+  falsifier = FALSIFIERS["4"]
+  f_mean, _, f_hi = interval(floor["prefix_shift"])
+  rows = []
+  for v in views:
+    ps = interval(v["prefix_shift"])
+    removed = interval(np.subtract(v["total_raw"], v["total_tis"]))
+    rows.append({"view": v["view"], "prefix_shift": list(ps), "tis_removed": list(removed),
+                 "clears_floor": ps[1] > f_hi, "shared_zero": all(x == 0.0 for x in v["prefix_shift_shared"])})
+  n = min([len(floor["prefix_shift"]), *(len(v["prefix_shift"]) for v in views)])
+  ev = {"replicates": n, "floor": [f_mean, *interval(floor["prefix_shift"])[1:]], "views": rows,
+        "sanity": {"prefix_shift_zero_when_shared": all(r["shared_zero"] for r in rows)}}
+
+  def verdict(outcome, reason):
+    return Verdict("4", outcome, reason, falsifier, ev)
+
+  if not ev["sanity"]["prefix_shift_zero_when_shared"]:
+    return verdict("inconclusive", "sanity check failed: the prefix-shift part is not 0 before the first "
+                   "divergence (the measurement is broken, not the claim)")
+  if n < 2:
+    return verdict("inconclusive", "one replicate: no interval to compare with the noise floor")
+  counted = [r for r in rows if r["clears_floor"]]
+  if not counted:
+    return verdict("inconclusive", f"no view's prefix-shift interval clears the noise floor's ({f_hi:.3g}): "
+                   "indistinguishable from unrelated samples")
+  worse = [r["view"] for r in counted if r["tis_removed"][2] <= 0]
+  if worse:
+    return verdict("does not hold", f"TIS removes no error in {', '.join(worse)}")
+  unclear = [r["view"] for r in counted if r["tis_removed"][1] <= 0]
+  if unclear:
+    return verdict("inconclusive", f"TIS's removed error has an interval reaching 0 in {', '.join(unclear)}")
+  return verdict("holds", f"prefix-shift part above the floor in {len(counted)} of {len(rows)} views "
+                 f"({', '.join(r['view'] for r in counted)}), and TIS removes error in each")
+
+
+# --- claim 5 --------------------------------------------------------------------------------------
+
+def admission_vs_trivial(rows: list[dict], budget_trusted: bool) -> Verdict:
+  """`rows`: [{name, verdict: accept|reject, quality_ok: trained within tolerance}] (one a candidate)."""
+  falsifier = FALSIFIERS["5"]
+  n = len(rows)
+  agree = sum((r["verdict"] == "accept") == r["quality_ok"] for r in rows)
+  ok = sum(r["quality_ok"] for r in rows)
+  false_accepts = [r["name"] for r in rows if r["verdict"] == "accept" and not r["quality_ok"]]
+  ev = {"total": n, "agree": agree, "accept_all": ok, "reject_all": n - ok, "degrading": n - ok,
+        "false_accepts": false_accepts, "accepts": sum(r["verdict"] == "accept" for r in rows)}
+
+  def verdict(outcome, reason):
+    return Verdict("5", outcome, reason, falsifier, ev)
+
+  if not budget_trusted:
+    return verdict("inconclusive", "the budget is untrusted (its clean runs did not learn): nothing to predict")
+  if ok in (0, n):
+    return verdict("inconclusive", f"the candidates do not straddle the budget ({ok} of {n} trained within "
+                   "tolerance): a trivial rule scores perfectly")
+  if false_accepts:
+    return verdict("does not hold", f"false accepts: {', '.join(false_accepts)}")
+  best = max(ok, n - ok)
+  if agree > best:
+    return verdict("holds", f"{agree}/{n} agree vs accept-all {ok}/{n}, reject-all {n - ok}/{n}; no false accept "
+                   f"among {n - ok} degrading")
+  return verdict("does not hold", f"{agree}/{n} agree, no better than the best trivial rule ({best}/{n})")

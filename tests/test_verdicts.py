@@ -1,0 +1,165 @@
+"""opdjax.analyses.verdicts: each rule driven to each of its outcomes from synthetic stage results."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from opdjax.analyses import verdicts as V
+
+CLEAN = [1.00, 1.02, 0.98]  # reverse KL of three clean seeds; the start is 3.0: OPD learned 2.0
+
+
+def fit_for(points, sigmas=3.0, rel=0.0):
+  clean = next(p for p in points if p["view"] == "clean")
+  s = float(np.std(clean["reverse_kl"], ddof=1))
+  n = len(clean["reverse_kl"])
+  tol = max(sigmas * s * math.sqrt(2 / n), rel * abs(np.median(clean["reverse_kl"])))
+  losses = {p["view"]: np.median(p["reverse_kl"]) - np.median(clean["reverse_kl"]) for p in points}
+  failing = [p["mismatch"] for p in points if losses[p["view"]] > tol]
+  edge = min(failing) if failing else math.inf
+  passing = [p["mismatch"] for p in points if losses[p["view"]] <= tol and p["mismatch"] < edge]
+  return {"metrics": ["reverse_kl"], "tolerance": {"reverse_kl": tol}, "clean_std": {"reverse_kl": s},
+          "tolerance_sigmas": sigmas, "seeds": n, "budget": max(passing)}
+
+
+def point(view, mismatch, centre, spread=0.02):
+  return {"view": view, "mismatch": mismatch, "reverse_kl": [centre - spread, centre, centre + spread]}
+
+
+def bracket(points, start=3.0, **kw):
+  points = [{"view": "clean", "mismatch": 0.0, "reverse_kl": CLEAN}, *points]
+  return V.budget_bracket(points, fit_for(points, **kw), {"reverse_kl": start}, {"used": 9, "budget": 12})
+
+
+def test_interval_and_welch_match_the_t_formula():
+  m, lo, hi = V.interval([1.0, 2.0, 3.0])
+  assert m == 2.0 and hi - m == pytest.approx(4.3027 * 1.0 / math.sqrt(3), rel=1e-4)  # t_{0.975, 2}
+  assert V.interval([5.0])[1:] == (-math.inf, math.inf)
+  assert V.welch_half_width([1, 1, 1], [2, 2, 2]) == 0.0
+  assert V.welch_half_width([1.0], [2.0, 3.0]) == math.inf
+  # Seeds needed: k * s * sqrt(2/n) <= gain / 2 -> n >= 2 (2 k s / gain)^2.
+  assert V.seeds_needed(0.1, 1.0, 3.0) == 2 and V.seeds_needed(0.5, 1.0, 3.0) == math.ceil(2 * 3.0 ** 2) == 18
+  assert V.seeds_needed(1.0, 1.0, 3.0) == 72 and V.seeds_needed(0.1, 0.0, 3.0) is None
+
+
+def test_claim1_holds_when_bracketed():
+  v = bracket([point("noise0.1", 0.1, 1.01), point("noise0.4", 0.4, 1.5), point("noise0.8", 0.8, 2.5)])
+  assert v.outcome == "holds", v.reason
+  assert v.evidence["largest_pass_below"]["view"] == "noise0.1"
+  assert v.evidence["smallest_clear_fail"]["view"] == "noise0.4"
+  json.dumps(v.to_dict())  # plain JSON
+
+
+def test_claim1_without_a_clear_failure_is_a_lower_bound():
+  # noise0.4 fails on its median but its interval reaches below the tolerance: not a clear failure.
+  tol = 3 * 0.02 * math.sqrt(2 / 3)
+  wide = {"view": "noise0.4", "mismatch": 0.4, "reverse_kl": [0.9, 1.0 + 2 * tol, 1.6]}
+  v = bracket([point("noise0.1", 0.1, 1.01), wide])
+  assert v.outcome == "inconclusive" and v.label == "inconclusive (lower bound only)", v.reason
+  assert not v.evidence["views"][1]["pass"] and not v.evidence["views"][1]["clear_fail"]
+  assert bracket([point("noise0.1", 0.1, 1.01)]).label == "inconclusive (lower bound only)"
+
+
+def test_claim1_does_not_hold_when_a_view_passes_above_a_clear_failure():
+  v = bracket([point("noise0.1", 0.1, 1.01), point("fp8", 0.3, 2.0), point("noise0.8", 0.8, 1.0)])
+  assert v.outcome == "does not hold" and "noise0.8" in v.reason, v.reason
+
+
+def test_claim1_inconclusive_without_learning_or_power_or_a_pass_below():
+  assert "did not improve" in bracket([point("a", 0.1, 1.0), point("b", 1.0, 3.0)], start=1.01).reason
+  # A tolerance floor (rel 0.6 of the clean 1.0) above half the 2.0 gain: underpowered.
+  v = bracket([point("a", 0.1, 1.0), point("b", 1.0, 3.0)], rel=1.2)
+  assert v.outcome == "inconclusive" and "underpowered" in v.reason
+  v = bracket([point("a", 0.1, 2.0), point("b", 1.0, 3.0)])
+  assert v.outcome == "inconclusive" and v.label == "inconclusive (upper bound only)"
+
+
+def rows(*spec):
+  return [{"name": f"c{i}", "verdict": verdict, "quality_ok": ok} for i, (verdict, ok) in enumerate(spec)]
+
+
+def test_claim5_holds_only_beating_both_trivial_rules():
+  v = V.admission_vs_trivial(rows(("accept", True), ("accept", True), ("reject", False), ("reject", False),
+                                  ("reject", True)), True)
+  assert v.outcome == "holds", v.reason
+  assert (v.evidence["agree"], v.evidence["accept_all"], v.evidence["reject_all"]) == (4, 3, 2)
+
+
+def test_claim5_does_not_hold():
+  fa = V.admission_vs_trivial(rows(("accept", True), ("accept", False), ("reject", False)), True)
+  assert fa.outcome == "does not hold" and fa.evidence["false_accepts"] == ["c1"]
+  # No false accept but too strict: 3/5 right, accept-all 4/5.
+  strict = V.admission_vs_trivial(rows(("accept", True), ("reject", True), ("reject", True), ("accept", True),
+                                       ("reject", False)), True)
+  assert strict.outcome == "does not hold" and "no better" in strict.reason
+
+
+def test_claim5_inconclusive_when_candidates_do_not_straddle_or_the_budget_is_untrusted():
+  # The SmolLM2 run's shape: 5/6 right, no false accept, but nothing degraded (accept-all scores 6/6).
+  v = V.admission_vs_trivial(rows(*[("accept", True)] * 5, ("reject", True)), True)
+  assert v.outcome == "inconclusive" and "do not straddle" in v.reason
+  assert V.admission_vs_trivial(rows(("accept", True), ("reject", False)), False).outcome == "inconclusive"
+
+
+def ps_view(name, ps, raw, tis, shared=0.0):
+  return {"view": name, "prefix_shift": ps, "total_raw": raw, "total_tis": tis, "prefix_shift_shared": [shared] * 3}
+
+
+FLOOR = {"prefix_shift": [0.24, 0.25, 0.23]}
+
+
+def test_claim4_holds_where_a_part_clears_the_floor_and_tis_helps():
+  v = V.prefix_shift_vs_floor([ps_view("noise", [0.50, 0.52, 0.55], [2.5, 2.4, 2.6], [0.9, 0.8, 1.0]),
+                               ps_view("fp8", [0.23, 0.26, 0.24], [1.6, 1.7, 1.6], [0.45, 0.4, 0.5])], FLOOR)
+  assert v.outcome == "holds", v.reason
+  assert [r["clears_floor"] for r in v.evidence["views"]] == [True, False]
+
+
+def test_claim4_inconclusive_at_the_floor_or_with_one_replicate_or_a_failed_sanity_check():
+  # The SmolLM2 run's shape: parts 0.232-0.252 against a floor of 0.243.
+  at_floor = V.prefix_shift_vs_floor([ps_view("fp8", [0.23, 0.25, 0.24], [1.6, 1.7, 1.6], [0.45, 0.4, 0.5])], FLOOR)
+  assert at_floor.outcome == "inconclusive" and "floor" in at_floor.reason
+  one = V.prefix_shift_vs_floor([{**ps_view("n", [0.9], [2.0], [1.0]), "prefix_shift_shared": [0.0]}],
+                                {"prefix_shift": [0.2]})
+  assert one.outcome == "inconclusive" and "one replicate" in one.reason
+  json.dumps(one.to_dict())
+  broken = V.prefix_shift_vs_floor([ps_view("n", [0.9, 0.8, 1.0], [2, 2, 2], [1, 1, 1], shared=1e-3)], FLOOR)
+  assert broken.outcome == "inconclusive" and "sanity" in broken.reason
+
+
+def test_claim4_does_not_hold_when_tis_removes_nothing():
+  v = V.prefix_shift_vs_floor([ps_view("lag", [0.6, 0.62, 0.61], [1.0, 1.1, 1.0], [1.2, 1.3, 1.25])], FLOOR)
+  assert v.outcome == "does not hold" and "lag" in v.reason
+
+
+def test_claim2_out_of_sample():
+  ins = {"recipe_kl": 0.12, "edge_kl": 0.29, "random_kl": 0.27, "num_prompts": 8}
+  held = {"recipe_kl": 0.15, "edge_kl": 0.28, "random_kl": 0.26, "num_prompts": 8}
+  assert V.recipe_out_of_sample([2, 10], [0, 19], ins, held).outcome == "holds"
+  worse = V.recipe_out_of_sample([2, 10], [0, 19], ins, {**held, "recipe_kl": 0.3})
+  assert worse.outcome == "does not hold"  # in-sample it beat the edge layers; out of sample it does not
+  assert V.recipe_out_of_sample([0, 1], [1, 0], ins, held).outcome == "inconclusive"
+  assert "in-sample only" in V.recipe_out_of_sample([2, 10], [0, 19], ins, None).reason
+
+
+def test_a_verdict_outside_the_three_outcomes_is_refused():
+  with pytest.raises(ValueError, match="outcome"):
+    V.Verdict("1", "holds (mostly)", "", "", {})
+
+
+def test_study_design_extends_until_a_clear_failure_and_places_candidates_around_the_budget():
+  from opdjax.analyses import study_design
+
+  clean = {"view": "clean", "mismatch": 0.0, "reverse_kl": CLEAN}
+  mild = [clean, point("noise_sigma=0.4", 0.2, 1.01)]
+  assert str(study_design.extend_until_failure(mild, fit_for(mild))) == "noise_sigma=0.8"
+  failed = [*mild, point("noise_sigma=0.8", 0.9, 2.5)]
+  assert study_design.extend_until_failure(failed, fit_for(failed)) is None
+  fams = {"clean": "clean", "noise_sigma=0.4": "noise", "noise_sigma=0.8": "noise"}
+  budget = {"budget": 0.2, "points": [{**p, "family": fams[p["view"]], "pass": p["mismatch"] < 0.5} for p in failed]}
+  lines = study_design.candidates("*>fp8_e4m3", 4, budget).splitlines()
+  noise = {ln.split(":")[0]: float(ln.split("=")[1]) for ln in lines if ln.startswith("noise-")}
+  assert noise == {"noise-below-0.28": 0.28, "noise-between-0.566": 0.566, "noise-beyond-1.2": 1.2}
+  assert len(lines) == 7 and "lag2: lag=2" in lines
