@@ -128,9 +128,9 @@ def test_the_jax_engines_process_dies_with_its_trainer(files, tmp_path):
     out = tmp_path / moment.replace(" ", "-")
     proc, log = _train(files, out, disaggregated), tmp_path / f"{out.name}.log"
     if moment == "start-up":
-      _wait_for("the JAX engine's process", lambda: children_of(proc.pid), proc, log)
+      _wait_for("the JAX engine's process", lambda p=proc: children_of(p.pid), proc, log)
     else:
-      _wait_for("a step's metrics", lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size,
-                proc, log)
+      metrics = out / "metrics.jsonl"
+      _wait_for("a step's metrics", lambda m=metrics: m.exists() and m.stat().st_size, proc, log)
       time.sleep(rng.uniform(0.0, 2.0))
     _kill_and_check(proc, moment, log)

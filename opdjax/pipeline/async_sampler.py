@@ -47,7 +47,7 @@ import numpy as np
 from opdjax import seeds
 from opdjax.errors import UserError
 from opdjax.pipeline.session import Session
-from opdjax.pipeline.stages import Clock, Sample, check_group, step_prompts
+from opdjax.pipeline.stages import Clock, Sample, check_group, step_prompts, sync_record
 from opdjax.rollout.base import WeightUpdate
 from opdjax.rollout.deploy import check_memory
 from opdjax.views.view import EngineView
@@ -361,8 +361,7 @@ class AsyncSampler:
     if threading.current_thread() is not self._thread:
       stats["inline_s"] = time.perf_counter() - t0
     # What the weight sync reports (export and reload seconds, the reload probe) for the step's record.
-    record = {k: round(v, 6) if isinstance(v, float) else v for k, v in update.stats.items()
-              if k != "time_publish_export_s"}
+    record = sync_record({k: v for k, v in update.stats.items() if k != "time_publish_export_s"})
     if self.spmd:
       return Pending(prompts, refs, produced, stats, record)
     stats["versions"] = np.full(len(prompts), version)

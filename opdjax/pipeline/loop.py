@@ -20,6 +20,7 @@ import numpy as np
 from opdjax.errors import Interrupted
 from opdjax.pipeline.async_sampler import AsyncSampler
 from opdjax.pipeline.overlap import fields as overlap_fields
+from opdjax.pipeline.overlap import generate_side
 from opdjax.pipeline.session import Session
 from opdjax.pipeline.stages import Sample, Sampler, objective
 from opdjax.training.step import TrainState
@@ -124,8 +125,7 @@ class Timing:
     # Asynchronous: publishing the params (copy, export) and distributing the rollout are the trainer's.
     train = (t1 - self.t0 - (eval1 - self.eval0) + st.pop("time_step_wait_s", 0.0) + st.get("time_publish_s", 0.0)
              + st.get("time_distribute_s", 0.0))
-    sync = st.get("time_load_s", st.get("time_weight_sync_s", 0.0))  # the producer's part of the weight sync
-    sampling = sync + sum(st.get(k, 0.0) for k in ("time_generate_s", "time_prepare_s"))
+    sampling = generate_side(st)
     if "time_queue_wait_s" in st:  # asynchronous: each side waits only for the other
       trainer_wait, producer_wait = st["time_queue_wait_s"], st.get("time_producer_wait_s", 0.0)
     else:  # synchronous: each side waits while the other works
