@@ -6,7 +6,7 @@ and returned, updated with `dynamic_update_slice`, never mutated.
 
 Shapes: B batch, T new tokens, S cache slots, D model width, H query heads,
 K key/value heads, G = H // K query heads per kv head, E head_dim, V vocab.
-Without a cache, `attention_mask` is the key-padding mask `[B, T]`; with a cache
+Without a cache, `attention_mask` is the key-padding mask `[B, T]` (None: no padding); with a cache
 it is the mask of valid cache slots `[B, S]` (after writing the new tokens), and
 the new tokens are written at slot `cache["index"]`.
 
