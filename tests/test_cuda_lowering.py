@@ -128,3 +128,38 @@ def test_the_even_padding_changes_neither_the_output_nor_its_gradient(masked):
   assert float(jnp.max(jnp.abs(jnp.where(real, got - want, 0)))) < 1e-5
   for a, b in zip(got_g, want_g, strict=True):
     assert float(jnp.max(jnp.abs(a - b))) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp32_compute_multiplies_at_highest_precision(dtype):
+  """On a GPU XLA's default runs fp32 dots as TF32: fp32 re-scoring, the train step (its loss's
+  vocab projections included, forward and backward) and the engine's decode all ask for HIGHEST;
+  bf16 compute keeps the default (its dots are bf16 anyway)."""
+  from opdjax.scoring.rescore import token_logprobs
+
+  cfg = ModelConfig(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+  student, teacher = Model(cfg), Model(cfg.replace(hidden_size=48))
+  opt = make_optimizer(OptimConfig())
+  step = make_train_step(student, teacher, LossConfig(kind="full_rkl", chunk=8), opt)
+  state = jax.eval_shape(lambda: TrainState.create(student.init(jax.random.key(0)), opt))
+  t_params = jax.eval_shape(teacher.init, jax.random.key(1))
+  i32, f32 = (jax.ShapeDtypeStruct((2, 16), d) for d in (jnp.int32, jnp.float32))
+  batch = {"tokens": i32, "targets": i32, "positions": i32, "loss_mask": f32, "rollout_logprobs": f32,
+           "attention_mask": i32}
+  engine = JaxEngine(student, None, max_len=32, pad_id=0, eos_ids=())
+  generate = engine._fn(SamplingParams(max_new_tokens=8, temperature=1.0))
+  texts = {
+      "train step": step.trace(state, t_params, batch).lower(lowering_platforms=("cuda",)).as_text(),
+      "scoring": jax.jit(lambda p, b: token_logprobs(student, p, b)).trace(state.params, batch).lower(
+          lowering_platforms=("cuda",)).as_text(),
+      "generate": generate.trace(state.params, jax.eval_shape(lambda: student.init_cache(2, 16)),
+                                 jax.ShapeDtypeStruct((2, 8), jnp.int32), jax.ShapeDtypeStruct((2, 8), bool),
+                                 jax.eval_shape(lambda: jax.random.key(0))).lower(
+                                     lowering_platforms=("cuda",)).as_text(),
+  }
+  for what, text in texts.items():
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    highest = [line for line in dots if "precision = [HIGHEST, HIGHEST]" in line]
+    assert len(dots) > 4, what
+    assert len(highest) == (len(dots) if dtype == "float32" else 0), (what, len(highest), len(dots))

@@ -37,7 +37,7 @@ from opdjax.models.attention import (  # noqa: F401  (re-exported: callers impor
   fused_attention,
 )
 from opdjax.models.config import ModelConfig
-from opdjax.models.layers import Linear, RMSNorm, dense, kv_fake_quant, rope  # noqa: F401
+from opdjax.models.layers import Linear, RMSNorm, dense, kv_fake_quant, matmul_precision, rope  # noqa: F401
 from opdjax.parallel.activations import rows as shard_rows
 
 Params = Any
@@ -184,6 +184,10 @@ class Model:
     """`(hidden [B, T, D], cache)`. A decode step (one new token per row) attends over the smallest
     of the cache's `decode_windows` that holds the tokens so far; the branches only read the cache
     and the new keys and values are written after the switch."""
+    with matmul_precision(self.cfg.dtype):
+      return self._hidden(params, tokens, positions, attention_mask, cache)
+
+  def _hidden(self, params, tokens, positions, attention_mask, cache):
     if cache is None or tokens.shape[1] != 1:
       return self.module.apply({"params": params}, tokens, positions, attention_mask, cache)
     windows = decode_windows(cache["k"].shape[2])
@@ -198,7 +202,8 @@ class Model:
     return decoder.apply({"params": params}, tokens, positions, attention_mask, cache, method=Decoder.decode_step)
 
   def logits(self, params, hidden):
-    return self.module.apply({"params": params}, hidden, method=Decoder.logits)
+    with matmul_precision(self.cfg.dtype):
+      return self.module.apply({"params": params}, hidden, method=Decoder.logits)
 
   def output_matrix(self, params) -> jax.Array:
     """The `[D, V]` matrix `logits` multiplies by (the embedding's transpose when tied)."""
