@@ -178,6 +178,12 @@ def _has_gpu() -> bool:
 
 
 def pytest_configure(config):
+  # Before any JAX backend starts (collection's _has_gpu starts one): pytest-xdist workers sharing GPUs
+  # take an equal share each, unpreallocated, instead of 75% each (the second worker then fails).
+  from opdjax.parallel import gpu
+
+  workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+  os.environ.update(gpu.worker_memory_env(workers, gpu.visible_gpus()))
   config.addinivalue_line("markers", "requires_vllm: needs the vllm package (every `vllm` test does too): skipped"
                           " when it is not installed, a failure when OPDJAX_REQUIRE_VLLM=1")
 
