@@ -1,5 +1,5 @@
 """One prepared GPU run of the benchmarks the performance targets are tracked with (one H200, at
-most 8 minutes), or with `--dry-run` a full-size trace of every part on any machine (< 3 minutes
+most 10 minutes cold), or with `--dry-run` a full-size trace of every part on any machine (< 3 minutes
 on a CPU, nothing big allocated). Run it through `bench/gpu_suite.sh`.
 
     bash bench/gpu_suite.sh                 # the GPU machine: CUDA jax + CUDA torch (no vLLM needed)
@@ -13,8 +13,9 @@ a time limit; a part that fails or runs out of time leaves its fields null and i
 - `opd_torch`: the same step in PyTorch eager (HF Qwen3, SDPA, autocast bf16), same shapes.
 - `engine`: JaxEngine rollouts (bench/rollout.py, gpu shapes: Qwen3-0.6B, batch 64, prompt 128, 256
   new tokens, temperature 1, no EOS) in bf16, with FP8 W8A8 matmuls (packed e4m3 per-channel weights,
-  `fp8_matmul`) and with the FP8 weights dequantized in the loop; then the decode step time at 10% and
-  90% fill of a 4096-slot cache (bench/decode_fill.py).
+  `fp8_matmul`) and with the FP8 weights dequantized in the loop; FP8 GEMMs counted in the compiled
+  program (cuBLASLt's f8 matmul calls).
+- `decode_fill`: the bf16 decode step time at 10% and 90% fill of a 4096-slot cache (bench/decode_fill.py).
 - `rollout_hf`: HF `generate`, the rollout shapes (one warm-up call of 8 tokens, one timed call).
 Weights are random, built on the device from the configs (nothing downloaded or written). Writes one
 JSON (`$OUT/gpu_suite.json` when OUT is set, else bench/results/) and prints a markdown section for
