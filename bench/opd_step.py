@@ -136,10 +136,22 @@ def step_flops(spec, remat_policy: str = "full") -> float:
   scans unrolled, the loss in one chunk, XLA attention. The same arithmetic as the benchmarked step,
   which the compiled step's own `cost_analysis()` undercounts: it counts a loop body (a scanned
   layer, a loss chunk) once and a cuDNN attention call as no FLOPs. Remat recomputation counts."""
+  import jax
+
   student, teacher, optimizer, step = build_step(spec, remat_policy, unroll_layers=True, attention_impl="xla",
                                                  chunk=spec["seq"])
-  cost = step.lower(*abstract_inputs(student, teacher, optimizer, spec)).cost_analysis()
+  # Lowered for the host's CPU backend: the count is the program's, not the device's, and a PJRT
+  # C-API backend (CUDA's plugin) has no pre-compile analysis (None, which once failed after timing).
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  inputs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu),
+                        abstract_inputs(student, teacher, optimizer, spec))
+  lowered = step.lower(*inputs)
+  cost = lowered.cost_analysis()
+  if cost is None:  # a host backend that is a C-API plugin too: the compiled (unrolled) program's own count
+    cost = lowered.compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  if not cost or "flops" not in cost:
+    raise RuntimeError(f"XLA gave no FLOP count for the step on {jax.default_backend()}: {cost!r}")
   return float(cost["flops"])
 
 

@@ -30,7 +30,7 @@
 # Sidecars bind 0.0.0.0, so every route of theirs (vLLM's dev routes included) checks a per-job token:
 # OPDJAX_SIDECAR_TOKEN (made here unless already set), which reaches sidecars and trainer through the
 # environment (srun passes it on) and is never printed; --dry-run says only that it is set.
-# Install once on the cluster: python3 -m venv .venv && . .venv/bin/activate && pip install -e . 'jax[cuda12]' vllm
+# Install once on the cluster: python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[gpu]'  (CUDA JAX, vllm==0.32.*: the sidecar flags are 0.32's)
 #SBATCH --job-name=opdjax-multinode
 #SBATCH --exclusive
 #SBATCH --ntasks-per-node=1

@@ -4,7 +4,7 @@
 #     --config.teacher.path=/models/Qwen3-1.7B --config.student.path=/models/Qwen3-0.6B \
 #     --config.task.path=/data/prompts.jsonl
 # Install once on the cluster with the CUDA build of JAX:
-#   python3 -m venv .venv && . .venv/bin/activate && pip install -e . 'jax[cuda12]'
+#   python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[gpu]'
 #SBATCH --job-name=opdjax
 #SBATCH --gpus=1
 #SBATCH --cpus-per-task=8

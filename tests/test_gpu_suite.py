@@ -83,3 +83,48 @@ def test_gpu_suite_dry_run_traces_every_part_at_full_size(tmp_path):
   assert 8e9 < o["flops_per_step"] / (8 * 1024) < 10e9, o["flops_per_step"]
   assert rep["engine_decode"]["fp8_w8a8"]["fp8_dots_in_program"] == 14  # 7 projections, prefill and decode
   assert rep["engine_decode"]["fp8_weight_only"]["fp8_dots_in_program"] == 0
+
+
+def test_step_flops_survive_a_pjrt_c_api_backend(monkeypatch):
+  """CUDA's backend is a PJRT C-API plugin, whose `Lowered.cost_analysis()` is None: the FLOP count
+  (taken after the step was timed) must not fail there. Forced here for every backend; the count
+  then comes from the compiled unrolled step and agrees with the pre-compile analysis."""
+  from jax._src import xla_bridge
+
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  import opd_step
+
+  spec = {**opd_step.MODES["cpu"], "seq": 64, "prompt": 16, "vocab": 512}
+  want = opd_step.step_flops(spec, "full")
+  monkeypatch.setattr(xla_bridge, "using_pjrt_c_api", lambda backend=None: True)
+  got = opd_step.step_flops(spec, "full")
+  assert want > 1e6 and abs(got - want) <= 0.1 * want, (got, want)
+
+
+def test_fp8_is_counted_in_the_compiled_program_not_by_any_cublas_call():
+  """A compiled CUDA program whose only cuBLAS GEMM is the bf16 LM head has no FP8 GEMM (the old
+  `"cublas" in hlo` said it had); cuBLASLt's f8 matmul calls are what count."""
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  import gpu_suite
+
+  bf16 = ('%gemm = (bf16[8,151936]{1,0}, s8[0]{0}) custom-call(bf16[8,1024]{1,0} %x, bf16[1024,151936]{1,0} %w),'
+          ' custom_call_target="__cublas$gemm"')
+  f8 = ('%f8 = (bf16[8,3072]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[8,1024]{1,0} %a, f8e4m3fn[3072,1024]{1,0} %b,'
+        ' f32[] %sa, f32[] %sb), custom_call_target="__cublas$lt$matmul$f8"')
+  assert "cublas" in bf16 and gpu_suite.fp8_gemms(bf16) == 0
+  assert gpu_suite.fp8_gemms("\n".join([bf16, f8, f8])) == 2
+  rep = gpu_suite.empty_report(False, "full")
+  assert rep["engine_decode"]["fp8_w8a8"]["fp8_gemms_compiled"] is None  # a field of the report, null until measured
+  assert set(gpu_suite.PART_LIMITS_S) == set(gpu_suite.PARTS)
+  assert sum(gpu_suite.PART_LIMITS_S.values()) <= gpu_suite.BUDGET_S  # every part gets its whole limit
+
+
+def test_gpu_suite_keeps_a_persistent_compilation_cache(tmp_path):
+  """Each part is a fresh process: without a persistent cache a rerun compiles everything cold again."""
+  (tmp_path / "python").write_text(
+      '#!/bin/sh\necho "cache=$JAX_COMPILATION_CACHE_DIR min=$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"\n')
+  (tmp_path / "python").chmod(0o755)
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  env.update(PYTHON=str(tmp_path / "python"), OUT=str(tmp_path / "out"))
+  proc = subprocess.run(["bash", "bench/gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+  assert proc.stdout.strip() == f"cache={tmp_path / 'out' / 'jax-cache'} min=0", proc.stdout + proc.stderr

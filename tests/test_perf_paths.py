@@ -55,7 +55,7 @@ def einsum_attention(q_BxTxHxE, keys_BxSxKxE, values_BxSxKxE, mask_BxTxS):
 def einsum_reference(monkeypatch):
   """Makes the decoder attend with `einsum_attention`, a decode step over the whole cache (today's
   path before fused attention and decode windows) for the rest of the test."""
-  def fused(q, k, v, mask_Bx1xTxS, is_causal, impl):
+  def fused(q, k, v, mask_Bx1xTxS, is_causal, impl, training=True):
     mask = mask_Bx1xTxS[:, 0]
     if is_causal:
       mask = mask & jnp.tril(jnp.ones(mask.shape[-2:], bool))

@@ -63,30 +63,61 @@ def attention_backend(requested: str, dtype, head_dim: int, platform: str) -> st
   return "cudnn"
 
 
-def _cudnn_rejects(q, k, mask, is_causal) -> str | None:
-  """Why cuDNN refuses these shapes (its checks run while tracing), or None. The forward and the
-  backward are traced once on abstract values, so a refusal of the backward also shows here."""
-  key = (q.shape, k.shape, q.dtype, mask.shape, is_causal)
+def _compile_check(fn, abstract) -> None:
+  """Compiles `fn` at these shapes on this GPU, so a cuDNN graph that fails to build (an error XLA
+  raises only when it compiles the fused call, long after tracing passed) is a fallback, not a crash
+  of the whole program's compile. Off a real GPU (a test standing one in) nothing compiles."""
+  if jax.default_backend() == "gpu":
+    jax.jit(fn).lower(*abstract).compile()
+
+
+def _cudnn_rejects(q, k, mask, is_causal, training: bool) -> str | None:
+  """Why cuDNN refuses these shapes, or None. Its checks run while tracing, a graph it cannot build
+  shows when compiling: both are tried once per distinct call on abstract values. `training`: the
+  backward is checked too (it has rules of its own, e.g. even lengths with a bias); a prefill, never
+  differentiated, is held only to the forward's."""
+  key = (q.shape, k.shape, q.dtype, None if mask is None else mask.shape, is_causal, training)
   if key not in _cudnn_verdicts:
-    def loss(q, k, v, mask):
-      return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, implementation="cudnn").sum()
+    def fwd(q, k, v, mask):
+      return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, implementation="cudnn")
+    fn = jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)) if training else fwd
     try:
-      abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, k, mask)]  # no tracer closed over
-      jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), *abstract)
+      # No tracer closed over; a missing mask stays None.
+      abstract = [None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, k, mask)]
+      jax.eval_shape(fn, *abstract)
+      _compile_check(fn, abstract)
       _cudnn_verdicts[key] = None
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
       _cudnn_verdicts[key] = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
   return _cudnn_verdicts[key]
 
 
-def fused_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_Bx1xTxS, is_causal: bool, impl: str) -> jax.Array:
-  """`jax.nn.dot_product_attention` (GQA, boolean mask), through cuDNN when `impl` is `cudnn` and it
-  accepts the shapes, else through XLA."""
+def _even(q, k, v, mask):
+  """Odd lengths padded by one key (masked, or after every real query under causality) and one query
+  (sliced off the output, so its zero cotangent adds nothing to dK, dV): jax 0.10's cuDNN backward
+  takes only even lengths (its check sees a bias even where there is none), and a rollout's
+  sequences are `max_len - 1` long."""
+  t, s = q.shape[1] % 2, k.shape[1] % 2
+  pad = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
+  if mask is not None:  # the padded query row repeats the last one's mask (no empty softmax)
+    mask = jnp.pad(jnp.pad(mask, [(0, 0), (0, 0), (0, t), (0, 0)], mode="edge"), [(0, 0), (0, 0), (0, 0), (0, s)])
+  return pad(q, t), pad(k, s), pad(v, s), mask
+
+
+def fused_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_Bx1xTxS, is_causal: bool, impl: str,
+                    training: bool = True) -> jax.Array:
+  """`jax.nn.dot_product_attention` (GQA, boolean mask or None: no padding), through cuDNN when
+  `impl` is `cudnn` and it accepts the shapes, else through XLA. `training`: the call may be
+  differentiated (no cache), so cuDNN's backward must take it too."""
   if impl == "cudnn":
-    why = _cudnn_rejects(q_BxTxHxE, k_BxSxKxE, mask_Bx1xTxS, is_causal)
+    q, k, v, mask = q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_Bx1xTxS
+    odd = q.shape[1] % 2 or k.shape[1] % 2
+    if training and odd and (mask is not None or (is_causal and q.shape[1] == k.shape[1])):
+      q, k, v, mask = _even(q, k, v, mask)
+    why = _cudnn_rejects(q, k, mask, is_causal, training)
     if why is None:
-      return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask_Bx1xTxS, is_causal=is_causal,
-                                          implementation="cudnn")
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, implementation="cudnn")
+      return out[:, :q_BxTxHxE.shape[1]]
     _notice_once(f"opdjax attention: cuDNN rejected q {q_BxTxHxE.shape} / kv {k_BxSxKxE.shape} {q_BxTxHxE.dtype}"
                  f" ({why}); using the XLA implementation.")
   return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask_Bx1xTxS, is_causal=is_causal,
@@ -164,8 +195,10 @@ class Attention(nn.Module):
     new = None
 
     if kv is None:
-      # cuDNN wants the mask as a [B, 1, T, S] bias; is_causal lets it skip the upper triangle.
-      key_mask = jnp.broadcast_to(attention_mask[:, None, None, :].astype(bool), (b, 1, t, t))
+      # cuDNN turns a mask into a [B, 1, T, S] bias (and its gradient); is_causal lets it skip the upper
+      # triangle. A batch without padding (attention_mask None) needs no mask at all.
+      key_mask = None if attention_mask is None else jnp.broadcast_to(
+          attention_mask[:, None, None, :].astype(bool), (b, 1, t, t))
       out = fused_attention(q, kk, v, key_mask, True, attention_backend(cfg.attention_impl, dt, e, _platform()))
     elif t == 1:
       # Rounded as the cache stores them, so the step sees what later steps will read back.
@@ -181,7 +214,7 @@ class Attention(nn.Module):
       causal_TxS = (index + jnp.arange(t))[:, None] >= jnp.arange(kv["k"].shape[2])[None, :]
       mask = causal_TxS[None, None] & attention_mask[:, None, None, :].astype(bool)
       out = fused_attention(q, kv["k"][layer].astype(dt), kv["v"][layer].astype(dt), mask, False,
-                            attention_backend(cfg.attention_impl, dt, e, _platform()))
+                            attention_backend(cfg.attention_impl, dt, e, _platform()), training=False)
     out = out.reshape(b, t, h * e)
     return dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", cfg)(out), kv, new
 

@@ -6,7 +6,7 @@ and returned, updated with `dynamic_update_slice`, never mutated.
 
 Shapes: B batch, T new tokens, S cache slots, D model width, H query heads,
 K key/value heads, G = H // K query heads per kv head, E head_dim, V vocab.
-Without a cache, `attention_mask` is the key-padding mask `[B, T]`; with a cache
+Without a cache, `attention_mask` is the key-padding mask `[B, T]` (None: no padding); with a cache
 it is the mask of valid cache slots `[B, S]` (after writing the new tokens), and
 the new tokens are written at slot `cache["index"]`.
 
@@ -37,7 +37,7 @@ from opdjax.models.attention import (  # noqa: F401  (re-exported: callers impor
   fused_attention,
 )
 from opdjax.models.config import ModelConfig
-from opdjax.models.layers import Linear, RMSNorm, dense, kv_fake_quant, rope  # noqa: F401
+from opdjax.models.layers import Linear, RMSNorm, dense, kv_fake_quant, matmul_precision, rope  # noqa: F401
 from opdjax.parallel.activations import rows as shard_rows
 
 Params = Any
@@ -184,6 +184,10 @@ class Model:
     """`(hidden [B, T, D], cache)`. A decode step (one new token per row) attends over the smallest
     of the cache's `decode_windows` that holds the tokens so far; the branches only read the cache
     and the new keys and values are written after the switch."""
+    with matmul_precision(self.cfg.dtype):
+      return self._hidden(params, tokens, positions, attention_mask, cache)
+
+  def _hidden(self, params, tokens, positions, attention_mask, cache):
     if cache is None or tokens.shape[1] != 1:
       return self.module.apply({"params": params}, tokens, positions, attention_mask, cache)
     windows = decode_windows(cache["k"].shape[2])
@@ -198,7 +202,8 @@ class Model:
     return decoder.apply({"params": params}, tokens, positions, attention_mask, cache, method=Decoder.decode_step)
 
   def logits(self, params, hidden):
-    return self.module.apply({"params": params}, hidden, method=Decoder.logits)
+    with matmul_precision(self.cfg.dtype):
+      return self.module.apply({"params": params}, hidden, method=Decoder.logits)
 
   def output_matrix(self, params) -> jax.Array:
     """The `[D, V]` matrix `logits` multiplies by (the embedding's transpose when tied)."""

@@ -142,8 +142,14 @@ def processed_logprobs(logits, targets, sampling: SamplingParams):
   return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
+def _precision(dtype):
+  """fp32 compute multiplies in fp32 on a GPU too (XLA's default there is TF32; `matmul_precision`)."""
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _logits(h, w_DxV, dtype):
-  return jnp.einsum("...d,dv->...v", h.astype(dtype), w_DxV.astype(dtype), preferred_element_type=jnp.float32)
+  return jnp.einsum("...d,dv->...v", h.astype(dtype), w_DxV.astype(dtype), preferred_element_type=jnp.float32,
+                    precision=_precision(dtype))
 
 
 def _chunks(x, chunk):
@@ -183,9 +189,10 @@ def _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfi
     w = importance_weights(lp_tr, rlp, cfg)
     coef = w * m / denom
     (g_logits,) = vjp_fn(coef)
-    g_h = jnp.einsum("bcv,dv->bcd", g_logits.astype(dtype), w_s.astype(dtype), preferred_element_type=jnp.float32)
+    g_h = jnp.einsum("bcv,dv->bcd", g_logits.astype(dtype), w_s.astype(dtype), preferred_element_type=jnp.float32,
+                     precision=_precision(dtype))
     g_w = g_w + jnp.einsum("bcd,bcv->dv", hs.astype(dtype), g_logits.astype(dtype),
-                           preferred_element_type=jnp.float32)
+                           preferred_element_type=jnp.float32, precision=_precision(dtype))
     terms = {**terms, "student_logprobs": lp_s, "trainer_logprobs": lp_tr, "is_weight": w}
     return g_w, (jnp.sum(coef * term), g_h, terms)
 

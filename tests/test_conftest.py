@@ -1,0 +1,38 @@
+"""The suite's own hooks: pytest without pytest-xdist (the GPU image has none) still runs."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_tests_are_skipped_not_an_internal_error_without_xdist():
+  """`pytest -p no:xdist -o addopts="" tests/test_gpu.py`: the xdist hooks of conftest.py are optional
+  (an unknown hook is an INTERNALERROR and no test runs), and on a machine without a GPU every test
+  of the file is reported skipped with its reason."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-o", "addopts=", "-rs",
+                         "tests/test_gpu.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0 and "INTERNALERROR" not in out, out[-3000:]
+  assert "5 skipped" in out and "needs a GPU (JAX sees none)" in out, out[-3000:]
+
+
+def test_pytest_workers_on_a_gpu_node_take_a_share_each_not_75_percent(tmp_path):
+  """Two pytest-xdist workers with one (faked) GPU visible: each starts JAX unpreallocated with under
+  half of the GPU. The suite's conftest, run on a one-test folder."""
+  for name in ("conftest.py", "helpers.py"):
+    (tmp_path / name).symlink_to(os.path.join(ROOT, "tests", name))
+  (tmp_path / "test_env.py").write_text(
+      "import os\n"
+      "def test_env():\n"
+      "  assert os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'\n"
+      "  assert os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'] == '0.47'\n")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT")}
+  env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="0",
+             PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-o", "addopts=", "-p", "no:cacheprovider",
+                         str(tmp_path / "test_env.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]

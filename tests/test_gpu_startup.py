@@ -1,0 +1,95 @@
+"""The GPU start-up decisions, with the machine faked: visible GPUs, the JAX / vLLM split of a shared
+GPU, each pytest worker's share, the refusal to train on CPU JAX on a GPU node, and the vLLM server's
+GPU settings (opdjax.parallel.gpu, opdjax.rollout.vllm.gpu_defaults)."""
+
+import types
+
+import pytest
+
+from opdjax.errors import UserError
+from opdjax.parallel import gpu
+from opdjax.rollout.vllm import gpu_defaults
+
+
+def test_visible_gpus_from_cuda_visible_devices_then_device_files(tmp_path):
+  for n in range(3):
+    (tmp_path / f"nvidia{n}").touch()
+  (tmp_path / "nvidiactl").touch()  # not a GPU
+  devs = str(tmp_path / "nvidia[0-9]*")
+  assert gpu.visible_gpus({}, devs) == 3
+  assert gpu.visible_gpus({"CUDA_VISIBLE_DEVICES": "1,2"}, devs) == 2
+  assert gpu.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, devs) == 0
+  assert gpu.visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}, devs) == 0
+  assert gpu.visible_gpus({}, str(tmp_path / "none*")) == 0
+
+
+def _cfg(dtype="float32", engine="jax", gpus=""):
+  return types.SimpleNamespace(model=types.SimpleNamespace(dtype=dtype),
+                               rollout=types.SimpleNamespace(engine=engine, vllm=types.SimpleNamespace(gpus=gpus)))
+
+
+def test_training_on_cpu_jax_on_a_gpu_node_is_refused_with_the_install_line():
+  wants = gpu.config_wants_gpu(_cfg("bfloat16"))
+  assert wants == "model.dtype=bfloat16"
+  with pytest.raises(UserError, match=r"2 GPU\(s\) visible .*model.dtype=bfloat16.*pip install -e '\.\[gpu\]'"):
+    gpu.check_jax_backend("cpu", 2, wants, env={})
+  assert gpu.config_wants_gpu(_cfg(engine="vllm", gpus="6,7")) == "rollout.vllm.gpus='6,7'"
+  # Not refused: a GPU backend, no GPU visible, a config that asks for none, or JAX_PLATFORMS=cpu chosen.
+  gpu.check_jax_backend("gpu", 2, wants, env={})
+  gpu.check_jax_backend("cpu", 0, wants, env={})
+  gpu.check_jax_backend("cpu", 2, gpu.config_wants_gpu(_cfg()), env={})
+  gpu.check_jax_backend("cpu", 2, wants, env={"JAX_PLATFORMS": "cpu"})
+
+
+def test_a_shared_gpu_is_split_between_jax_and_vllm_or_refused_naming_both_knobs():
+  u, env = gpu.shared_gpu_memory(0.0, env={})
+  assert u == gpu.SHARED_VLLM_UTILIZATION and env == {gpu.JAX_FRACTION_ENV: "0.50"}
+  assert u + float(env[gpu.JAX_FRACTION_ENV]) <= 1 - gpu.SHARED_MARGIN + 1e-9
+  assert gpu.shared_gpu_memory(0.3, env={}) == (0.3, {gpu.JAX_FRACTION_ENV: "0.65"})
+  assert gpu.shared_gpu_memory(0.3, env={gpu.JAX_FRACTION_ENV: "0.6"}) == (0.3, {})  # fits: kept
+  with pytest.raises(UserError, match="XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 .*gpu_memory_utilization=0.45"):
+    gpu.shared_gpu_memory(0.0, env={gpu.JAX_FRACTION_ENV: "0.9"})  # the launchers' default
+  with pytest.raises(UserError, match="gpu_memory_utilization=0.9 leaves the trainer's JAX 0.05"):
+    gpu.shared_gpu_memory(0.9, env={})
+
+
+def test_jax_memory_settings_apply_only_before_jax_starts(monkeypatch):
+  monkeypatch.delenv("OPDJAX_TEST_KNOB", raising=False)
+  with pytest.raises(UserError, match="OPDJAX_TEST_KNOB=1 must be set before JAX starts"):
+    gpu.apply_before_jax({"OPDJAX_TEST_KNOB": "1"}, initialized=True)
+  gpu.apply_before_jax({"OPDJAX_TEST_KNOB": "1"}, initialized=False)
+  import os
+  assert os.environ["OPDJAX_TEST_KNOB"] == "1"
+
+
+def test_pytest_workers_share_the_gpus_instead_of_preallocating_75_percent_each():
+  env = gpu.worker_memory_env(4, 1, env={})
+  assert env == {gpu.JAX_PREALLOCATE_ENV: "false", gpu.JAX_FRACTION_ENV: "0.24"}
+  assert gpu.worker_memory_env(1, 1, env={}) == {} and gpu.worker_memory_env(4, 0, env={}) == {}
+  assert gpu.worker_memory_env(2, 1, env={gpu.JAX_FRACTION_ENV: "0.3"}) == {gpu.JAX_PREALLOCATE_ENV: "false"}
+
+
+def test_vllm_server_defaults_on_a_gpu_and_on_cpu():
+  assert gpu_defaults.server_dtype("auto", True) == "bfloat16" and gpu_defaults.server_dtype("", False) == "float32"
+  assert gpu_defaults.server_dtype("float32", True) == "float32"  # asked for explicitly: kept
+  assert gpu_defaults.server_enforce_eager("auto", True) is False  # CUDA graphs
+  assert gpu_defaults.server_enforce_eager(None, False) is True
+  assert gpu_defaults.server_enforce_eager("false", False) is False and gpu_defaults.server_enforce_eager(True, True)
+  with pytest.raises(UserError, match="enforce_eager='sometimes'"):
+    gpu_defaults.server_enforce_eager("sometimes", True)
+
+
+def test_the_step_budget_is_a_whole_batch_on_cpu_and_bounded_on_a_gpu():
+  assert gpu_defaults.max_num_batched_tokens(240, 1024, on_gpu=False) == 245_760
+  assert gpu_defaults.max_num_batched_tokens(240, 1024, on_gpu=True) == gpu_defaults.GPU_STEP_TOKENS
+  assert gpu_defaults.max_num_batched_tokens(2, 1024, on_gpu=True) == 2048  # never more than the batch
+  assert gpu_defaults.max_num_batched_tokens(4, 32768, on_gpu=True) == 32768  # at least one whole sequence
+  assert gpu_defaults.max_num_batched_tokens(1, 64, on_gpu=False) == gpu_defaults.CPU_MIN_STEP_TOKENS
+
+
+def test_each_of_several_servers_has_its_own_vllm_cache_root(tmp_path):
+  out = str(tmp_path)
+  assert gpu_defaults.cache_root("/shared/vc", out, None, "node0") == "/shared/vc"
+  assert gpu_defaults.cache_root(None, out, None, "node0") == f"{out}/vllm-cache"
+  roots = {gpu_defaults.cache_root("/shared/vc", out, i, h) for i in (0, 1) for h in ("node0", "node1")}
+  assert len(roots) == 4 and all(r.startswith("/shared/vc/") for r in roots)
