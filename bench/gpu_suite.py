@@ -203,7 +203,7 @@ def part_decode_fill(dry: bool, opts) -> dict:
   import jax.numpy as jnp
 
   from opdjax.models import Model
-  from opdjax.rollout.jax_engine import install_params
+  from opdjax.rollout.jax.engine import install_params
 
   model = Model(rollout.model_config(ROLLOUT).replace(attention_impl=opts.attention))
   raw = jax.eval_shape(model.init, jax.random.key(0)) if dry else jax.jit(model.init)(jax.random.key(0))

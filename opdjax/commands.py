@@ -74,7 +74,9 @@ def train(args, overrides) -> int:
 
   from opdjax.parallel import gpu
   from opdjax.pipeline.run import train as run_train
+  from opdjax.rollout.deploy import prepare_process
 
+  prepare_process(cfg)  # before JAX starts: a GPU shared with the vLLM servers split between them
   # Before anything is loaded or written: CPU-only jax on a GPU node would otherwise train on CPU.
   gpu.check_jax_backend(jax.default_backend(), gpu.visible_gpus(), gpu.config_wants_gpu(cfg))
 

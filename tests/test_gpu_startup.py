@@ -93,3 +93,49 @@ def test_each_of_several_servers_has_its_own_vllm_cache_root(tmp_path):
   assert gpu_defaults.cache_root(None, out, None, "node0") == f"{out}/vllm-cache"
   roots = {gpu_defaults.cache_root("/shared/vc", out, i, h) for i in (0, 1) for h in ("node0", "node1")}
   assert len(roots) == 4 and all(r.startswith("/shared/vc/") for r in roots)
+
+
+def test_the_deployment_gives_servers_on_the_trainers_gpu_their_share(monkeypatch):
+  """Wired: `opdjax train` (deploy.prepare_process before JAX starts, deploy.plan after) splits a GPU the
+  trainer shares with the vLLM servers it starts; with GPUs of their own, or none, vLLM sizes itself."""
+  from opdjax.config.schema import Config, build
+  from opdjax.rollout import deploy
+
+  d = Config().to_dict()
+  d["rollout"]["engine"] = "vllm"
+  d["rollout"]["vllm"]["num_servers"] = 2
+  cfg = build(d)
+  monkeypatch.setattr(deploy, "visible_gpus", lambda: 1)
+  monkeypatch.delenv(gpu.JAX_FRACTION_ENV, raising=False)
+  assert deploy.plan(cfg).rollout.vllm.gpu_memory_utilization == pytest.approx(gpu.SHARED_VLLM_UTILIZATION / 2)
+  # This test's JAX has started: too late to set its fraction, one line naming the variable.
+  with pytest.raises(UserError, match=f"{gpu.JAX_FRACTION_ENV}=0.50 must be set before JAX starts"):
+    deploy.prepare_process(cfg)
+  monkeypatch.setenv(gpu.JAX_FRACTION_ENV, "0.9")  # the launchers' old default
+  with pytest.raises(UserError, match="exceed 0.95 together"):
+    deploy.plan(cfg)
+  d["rollout"]["vllm"]["gpus"] = "0,1"  # GPUs of their own: nothing to split
+  assert deploy.plan(build(d)).rollout.vllm.gpu_memory_utilization == 0.0
+  monkeypatch.setattr(deploy, "visible_gpus", lambda: 0)
+  assert deploy.plan(cfg).rollout.vllm.gpu_memory_utilization == 0.0
+
+
+def test_a_gpu_servers_command_has_a_bounded_step_budget_and_a_cache_of_its_own(tmp_path, monkeypatch):
+  """Wired: the servers opdjax starts take gpu_defaults' budget and cache folder (launch.make_vllm_server)."""
+  import helpers
+
+  from opdjax.rollout.vllm.launch import make_vllm_server
+
+  monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+  v = helpers.vllm_config(dtype="bfloat16", gpus="0,1", num_servers=2)
+  servers = [make_vllm_server(v, "model", max_len=1024, batch_size=240, out_dir=str(tmp_path), index=i)
+             for i in range(2)]
+  for s in servers:
+    cmd = s.command()
+    assert cmd[cmd.index("--max-num-batched-tokens") + 1] == str(gpu_defaults.GPU_STEP_TOKENS)
+  roots = [s.env["VLLM_CACHE_ROOT"] for s in servers]
+  assert len(set(roots)) == 2 and all(r.startswith(str(tmp_path / "cache") + "/") for r in roots)
+  cpu = make_vllm_server(helpers.vllm_config(), "model", max_len=128, batch_size=64, out_dir=str(tmp_path), gpu=False)
+  cmd = cpu.command()
+  assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "8192"  # a whole batch, as before
+  assert cpu.env["VLLM_CACHE_ROOT"] == str(tmp_path / "cache")  # CPU servers share the run's cache

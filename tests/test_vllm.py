@@ -123,6 +123,10 @@ FAKE_SERVER = textwrap.dedent("""
         with open(events, "a") as f:
           f.write(json.dumps([what, arg("--port", ""), time.time()]) + "\\n")
     event("start")
+    if os.environ.get("FAKE_SLOW_SHUTDOWN"):  # vLLM's graceful shutdown hanging (on requests a dead run left open)
+      import signal, subprocess
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by its "engine core" below
+      subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     time.sleep(float(os.environ.get("FAKE_LOAD_S", "0")))  # loading the model
     healthy = []
 

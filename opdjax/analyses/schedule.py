@@ -139,8 +139,8 @@ def measure_config(path: str, steps: int, k: int) -> list[tuple[str, list[dict]]
   Session that ran a few steps of both first (compiles left out)."""
   from opdjax.config.resolve import resolve_config
   from opdjax.pipeline.loop import run_loop
-  from opdjax.pipeline.run import _host_devices
   from opdjax.pipeline.session import Session
+  from opdjax.rollout.deploy import _host_devices
 
   _host_devices()  # on CPU a host device for the producer, as `opdjax train` gives it
   session = Session(resolve_config(path, {}), None, progress=False)

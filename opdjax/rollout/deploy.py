@@ -27,6 +27,7 @@ from opdjax.errors import UserError
 from opdjax.models.decoder import Model
 from opdjax.parallel.devices import NO_DEVICES, engine_devices, parse
 from opdjax.parallel.devices import split as split_devices
+from opdjax.parallel.gpu import SHARED_VLLM_UTILIZATION, apply_before_jax, shared_gpu_memory, visible_gpus
 from opdjax.parallel.placement import Placement
 from opdjax.parallel.rules import param_shardings
 from opdjax.rollout.base import RolloutEngine
@@ -123,6 +124,30 @@ class EngineSide:
     return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(self.device), params)
 
 
+def shares_trainer_gpu(rcfg) -> bool:
+  """vLLM servers opdjax starts on the trainer's own GPU(s): none attached, no `rollout.vllm.gpus` of
+  their own, and GPUs visible to this process."""
+  return rcfg.engine == "vllm" and not rcfg.vllm.attached and not rcfg.vllm.gpu_ids and visible_gpus() > 0
+
+
+def _shared_utilization(rcfg) -> tuple[float, dict]:
+  """(each server's --gpu-memory-utilization, the environment JAX must start with) for servers sharing
+  the trainer's GPU: vLLM's default 0.9 would leave JAX nothing (or JAX's 75% would leave vLLM too
+  little and it refuses to start); opdjax.parallel.gpu.shared_gpu_memory splits the GPU."""
+  v = rcfg.vllm
+  each = v.gpu_memory_utilization or SHARED_VLLM_UTILIZATION / v.num_servers
+  total, env = shared_gpu_memory(each * v.num_servers)
+  return total / v.num_servers, env
+
+
+def prepare_process(cfg) -> None:
+  """What must happen before JAX starts a backend (`opdjax train` calls it first): a trainer sharing its
+  GPU with the vLLM servers it starts gets the memory fraction that leaves them theirs. Refused, naming
+  both knobs, where the environment's fraction and the servers' utilization do not fit together."""
+  if shares_trainer_gpu(cfg.rollout):
+    apply_before_jax(_shared_utilization(cfg.rollout)[1])
+
+
 def plan(cfg) -> Deployment:
   """The run's Deployment, after every start-up check that needs neither models nor an output folder
   (see the module doc). Call it before JAX starts where it can: an asynchronous JAX engine on CPU
@@ -141,6 +166,8 @@ def plan(cfg) -> Deployment:
   cores = core_split(r)
   if cores is not None and r.engine == "vllm":
     r = dataclasses.replace(r, vllm=dataclasses.replace(r.vllm, cpus=format_cpus(cores.server)))
+  if shares_trainer_gpu(r):  # the servers' share of the trainer's GPU (prepare_process gave JAX the rest)
+    r = dataclasses.replace(r, vllm=dataclasses.replace(r.vllm, gpu_memory_utilization=_shared_utilization(r)[0]))
   engine_here = r.engine == "jax" or jax.process_index() == 0
   attached = r.vllm.attached if r.engine == "vllm" else ()
   if r.engine == "vllm" and engine_here:  # process 0 drives the servers

