@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-VLLM_INSTALL = ("`bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[vllm]'` (GPU) runs these tests")
+VLLM_INSTALL = ("`bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[gpu]'` (GPU) runs these tests")
 # The session's vLLM server (conftest.vllm_server): a tiny random Llama, head_dim 32 (the smallest
 # head size vLLM's CPU attention supports), sized by the factory for batches of VLLM_BATCH requests
 # of up to VLLM_MAX_MODEL_LEN tokens.

