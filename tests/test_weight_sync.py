@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 
-import helpers
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -318,6 +317,8 @@ def skip_without_vllm():
 
 
 def vllm_config(**changes):
+  import helpers  # here: this module is also imported by the multi-process tests' subprocesses
+
   return helpers.vllm_config(**{"dtype": "bfloat16", **changes})
 
 
@@ -440,6 +441,7 @@ p0, p1 = (place.params(_params(cfg, seed=s, std=0.4)) for s in (0, 1))
 d = Config().to_dict()
 d["rollout"].update(engine="vllm", max_len=128, batch_size=8, max_new_tokens=6)
 d["rollout"]["vllm"].update(dtype="bfloat16")
+d["mesh"]["fsdp"] = -1  # the placement's mesh: over both processes' devices
 out_dir = sys.argv[3]
 engine = build_engine(plan(build(d)), model, p0, pad_id=0, eos_ids=(), placement=place, out_dir=out_dir)
 read = lambda p: json.load(open(os.path.join(p, INDEX)))["metadata"]["writers"]
