@@ -73,7 +73,16 @@ def test_ctrl_c_is_one_line_and_the_same_command_resumes(demo_cache, tmp_path):
   assert rerun.returncode == 0 and f"resumed at step {resume_step}" in rerun.stdout, rerun.stderr
 
 
-def test_ctrl_c_during_a_checkpoint_save_is_held_until_orbax_returns(tmp_path):
+@pytest.fixture
+def python_sigint():
+  """Python's own Ctrl-C handler for the test (a pytest-xdist worker may have started with SIGINT ignored,
+  depending on what ran before it in the same process), the worker's put back after."""
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_a_checkpoint_save_is_held_until_orbax_returns(tmp_path, python_sigint):
   """A SIGINT that lands inside Orbax's save or wait (the full suite's one failure: Orbax logged the
   interrupted thread join with a traceback) is raised only after Orbax returned, and the saves complete."""
   import jax.numpy as jnp
