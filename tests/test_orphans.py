@@ -18,6 +18,7 @@ cannot pass it.
 import contextlib
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -149,8 +150,23 @@ def test_vllm_servers_die_with_their_trainer(files, tmp_path):
   proc, log = _train(files, out, vllm), tmp_path / "random.log"
   _wait_for("a step's metrics", lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size,
             proc, log)
+  _refuses_without_the_token(out)
   time.sleep(rng.uniform(0.0, 4.0))
   _kill_and_check(proc, "a random step", log)
+
+
+def _refuses_without_the_token(out) -> None:
+  """Every server opdjax starts checks the job's token on every route, on loopback too: without it, a
+  weight reload (a dev route vLLM's API key does not guard) and /health get 401."""
+  from opdjax.rollout.vllm.client import http_json
+
+  ports = [re.findall(r"=== opdjax: starting vLLM .* --port (\d+)", p.read_text())[-1] for p in out.glob("vllm-*.log")]
+  assert len(ports) == 2
+  for port in ports:
+    url = f"http://127.0.0.1:{port}"
+    body = {"method": "reload_weights", "kwargs": {"weights_path": "/nonexistent"}}
+    assert http_json(url + "/collective_rpc", body, timeout=30.0)[0] == 401
+    assert http_json(url + "/health", timeout=30.0)[0] == 401
 
 
 @pytest.mark.slow

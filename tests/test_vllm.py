@@ -188,6 +188,38 @@ def fake_python(tmp_path, monkeypatch):
 # --- without vLLM ------------------------------------------------------------------------------
 
 
+def test_a_server_attached_without_a_token_is_allowed_on_loopback_with_a_warning(fake_python, tmp_path, capsys,
+                                                                              monkeypatch):
+  from opdjax.rollout.vllm import auth
+  from opdjax.rollout.vllm.launch import check_attached
+
+  python, _ = fake_python
+  monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+  with VllmServer("model", python=python, log_path=str(tmp_path / "vllm.log")) as server:
+    check_attached([server.url])
+    assert f"the vLLM server at {server.url} is attached without a sidecar token" in capsys.readouterr().err
+    monkeypatch.setenv(auth.TOKEN_ENV, auth.new_token())  # the job's token, as the sidecar was started with
+    check_attached([server.url])
+    assert "without a sidecar token" not in capsys.readouterr().err
+
+
+def test_the_servers_opdjax_starts_carry_the_jobs_token(fake_python, tmp_path, monkeypatch):
+  """Loopback included: a minted token per process (the environment's or the API key when given)."""
+  from opdjax.rollout.vllm import auth
+  from opdjax.rollout.vllm.launch import make_vllm_server
+
+  monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+  a, b = (make_vllm_server(vllm_config(), "model", max_len=32, batch_size=4, out_dir=str(tmp_path), index=i)
+          for i in (0, 1))
+  assert a.token and a.token == b.token and "--middleware" in a.command()  # one per job, every route checked
+  assert not any(a.token in arg for arg in a.command())  # never on the command line
+  key = auth.new_token()
+  assert make_vllm_server(vllm_config(api_key=key), "model", max_len=32, batch_size=4, out_dir=str(tmp_path)).token \
+      == key  # the key and the token are the one Bearer credential
+  monkeypatch.setenv(auth.TOKEN_ENV, "x" * 20)
+  assert make_vllm_server(vllm_config(), "model", max_len=32, batch_size=4, out_dir=str(tmp_path)).token == "x" * 20
+
+
 def test_factory_sizes_the_server_for_a_batch_and_close_stops_only_its_own(fake_python, model, params, tmp_path):
   python, starts = fake_python
   out = tmp_path / "run"

@@ -39,6 +39,22 @@ def new_token() -> str:
   return secrets.token_urlsafe(32)
 
 
+_JOB: list[str] = []
+
+
+def job_token(api_key: str = "") -> str:
+  """The token of every server this process starts: the environment's OPDJAX_SIDECAR_TOKEN when set,
+  else vLLM's API key when one is given (both travel as the one Bearer credential, so they must be
+  equal), else one minted for this process, the same for all its servers. Loopback included: any
+  local user of a shared node could otherwise reload weights into a server or call its workers."""
+  given = os.environ.get(TOKEN_ENV) or api_key
+  if given:
+    return check_token(given, f"{TOKEN_ENV} (or rollout.vllm.api_key, the token of the servers opdjax starts)")
+  if not _JOB:
+    _JOB.append(new_token())
+  return _JOB[0]
+
+
 def check_token(token: str, where: str = TOKEN_ENV) -> str:
   """`token` if it is usable as a sidecar token, else one clear error naming the fix."""
   if len(token) < MIN_TOKEN_CHARS or not token.isascii() or not token.isprintable() or " " in token:

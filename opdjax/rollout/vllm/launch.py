@@ -9,6 +9,7 @@ import dataclasses
 import os
 import shlex
 import socket
+import sys
 import urllib.parse
 from collections.abc import Sequence
 
@@ -17,7 +18,7 @@ import jax
 from opdjax.errors import UserError
 from opdjax.models.config import ModelConfig
 from opdjax.models.hf_io import save_hf_params
-from opdjax.rollout.vllm import gpu_defaults, recipe
+from opdjax.rollout.vllm import auth, gpu_defaults, recipe
 from opdjax.rollout.vllm.capability import gpu_capabilities
 from opdjax.rollout.vllm.client import ServerDown, VllmClient
 from opdjax.rollout.vllm.engine import VllmEngine, VllmEngineBase
@@ -31,7 +32,9 @@ INIT = "vllm-init"  # OUT/vllm-init: the weights the servers started here start 
 
 def check_attached(urls: Sequence[str], api_key: str = "") -> None:
   """Every attached server's URL is a base URL, and the server answers as opdjax needs
-  (`VllmClient.info`: reachable, key or sidecar token accepted, dev mode, processed log-probs)."""
+  (`VllmClient.info`: reachable, key or sidecar token accepted, dev mode, processed log-probs). One
+  attached without a sidecar token is allowed on loopback only (the client refuses it beyond), with a
+  warning: its dev routes answer any local user."""
   for url in urls:
     parts = urllib.parse.urlsplit(url)
     try:
@@ -47,6 +50,11 @@ def check_attached(urls: Sequence[str], api_key: str = "") -> None:
       raise UserError(f"no vLLM server answers at {url} ({e}); start it first (`opdjax launch sidecar` prints"
                       " its command), or leave rollout.vllm.url empty so that opdjax starts one. Nothing was"
                       " written.") from None
+    if not os.environ.get(auth.TOKEN_ENV):
+      print(f"opdjax: warning: the vLLM server at {url} is attached without a sidecar token: any user of this"
+            " machine can reload its weights or call its workers. Start it with OPDJAX_SIDECAR_TOKEN set and"
+            f" `--middleware {auth.__name__}.TokenAuthMiddleware` (`opdjax launch sidecar` prints the command),"
+            " and export the same token here.", file=sys.stderr)
 
 
 def untied_head(vcfg, cfg: ModelConfig) -> bool:
@@ -78,13 +86,16 @@ def init_folder(params, cfg: ModelConfig, out_dir: str, *, untie: bool) -> str:
 
 
 def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out_dir: str, index: int | None = None,
-                     host: str = "127.0.0.1", port: int | None = None, gpu: bool | None = None) -> VllmServer:
+                     host: str = "127.0.0.1", port: int | None = None, gpu: bool | None = None,
+                     mint_token: bool = True) -> VllmServer:
   """The server `rollout.vllm` describes, serving `model_dir` (not started). `index`: the i-th of
   `num_servers` (its own log, its own GPUs out of `vcfg.gpus`, `tensor_parallel_size` each). The step
   budget (--max-num-batched-tokens, opdjax.rollout.vllm.gpu_defaults): on CPU a whole batch of
   `batch_size` requests of up to `max_len` tokens, so a batch's prefills are never split (fatal on CPU
   with seeds) nor sent in waves; on a GPU a bounded budget that chunked prefill fills. `gpu`: the server
-  runs on a GPU (None: it has `rollout.vllm.gpus`, or this machine has GPUs)."""
+  runs on a GPU (None: it has `rollout.vllm.gpus`, or this machine has GPUs). Every server opdjax starts
+  checks the job's sidecar token on every route, loopback included (auth.job_token); `mint_token=False`:
+  only the environment's (a command printed for other hosts' launchers, which export the job's token)."""
   extra = (*recipe.server_args(vcfg, model_dir), *shlex.split(vcfg.extra_args))
   tag = "" if index is None else f"-{index}"
   gpus = vcfg.gpu_ids
@@ -109,7 +120,8 @@ def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out
       max_num_batched_tokens=gpu_defaults.max_num_batched_tokens(batch_size, max_len, on_gpu),
       enforce_eager=vcfg.enforce_eager,
       api_key=vcfg.api_key or None, python=vcfg.python or None, extra_args=extra,
-      log_path=os.path.join(out_dir, f"vllm{tag}.log"), env=env, **pin)
+      log_path=os.path.join(out_dir, f"vllm{tag}.log"), env=env,
+      token=auth.job_token(vcfg.api_key) if mint_token else None, **pin)
 
 
 def make_vllm_engine(vcfg, student_cfg: ModelConfig, init_params, *, max_len: int, batch_size: int,
@@ -175,6 +187,6 @@ def sidecar_command(cfg, model: str, port: int, tp: int, out_dir: str) -> list[s
   loopback (so guarded by the job's sidecar token), with CUDA graphs and no CPU-only settings."""
   vcfg = dataclasses.replace(cfg.rollout.vllm, tensor_parallel_size=tp, gpus="", enforce_eager=False)
   server = make_vllm_server(vcfg, model, max_len=cfg.rollout.max_len, batch_size=cfg.rollout.batch_size,
-                            out_dir=out_dir, host="0.0.0.0", port=port, gpu=True)
+                            out_dir=out_dir, host="0.0.0.0", port=port, gpu=True, mint_token=False)
   env = {**server.env, "VLLM_SERVER_DEV_MODE": "1"}
   return ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *server.command()]

@@ -67,6 +67,7 @@ _TRACEBACK = "Traceback (most recent call last):"
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
 
+_OPDJAX_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _STARTED: weakref.WeakSet = weakref.WeakSet()  # the servers this process started and has not stopped
 
 
@@ -266,6 +267,8 @@ class VllmServer:
     env.pop(auth.TOKEN_ENV, None)
     if self.token:
       env[auth.TOKEN_ENV] = self.token
+      # The middleware is opdjax's: importable by the server's Python even when it is another environment.
+      env["PYTHONPATH"] = os.pathsep.join(filter(None, [_OPDJAX_ROOT, env.get("PYTHONPATH", "")]))
     if self.log_path is None:
       fd, self.log_path = tempfile.mkstemp(prefix="opdjax-vllm-", suffix=".log")
       os.close(fd)
