@@ -230,6 +230,11 @@ class RolloutConfig:
   teacher_scoring: str = "trainer"
 
   @property
+  def server_gpu_ids(self) -> tuple[str, ...]:
+    """The GPUs the rollout's vLLM servers have of their own (`rollout.vllm.gpus`; () for the JAX engine)."""
+    return self.vllm.gpu_ids if self.engine == "vllm" else ()
+
+  @property
   def sampling(self) -> SamplingParams:
     return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                           top_k=self.top_k)

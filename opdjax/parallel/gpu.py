@@ -40,7 +40,7 @@ def config_wants_gpu(cfg) -> str | None:
   GPU configs set (configs/qwen3_*.py); on CPU it is emulated and slower than fp32."""
   if cfg.model.dtype != "float32":
     return f"model.dtype={cfg.model.dtype}"
-  if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.gpus.strip():
+  if cfg.rollout.server_gpu_ids:
     return f"rollout.vllm.gpus={cfg.rollout.vllm.gpus!r}"
   return None
 
