@@ -2,7 +2,6 @@
 GPU, each pytest worker's share, the refusal to train on CPU JAX on a GPU node, and the vLLM server's
 GPU settings (opdjax.parallel.gpu, opdjax.rollout.vllm.gpu_defaults)."""
 
-import types
 
 import pytest
 
@@ -24,8 +23,9 @@ def test_visible_gpus_from_cuda_visible_devices_then_device_files(tmp_path):
 
 
 def _cfg(dtype="float32", engine="jax", gpus=""):
-  return types.SimpleNamespace(model=types.SimpleNamespace(dtype=dtype),
-                               rollout=types.SimpleNamespace(engine=engine, vllm=types.SimpleNamespace(gpus=gpus)))
+  from opdjax.config.schema import Config, ModelConfig, RolloutConfig, VllmConfig
+
+  return Config(model=ModelConfig(dtype=dtype), rollout=RolloutConfig(engine=engine, vllm=VllmConfig(gpus=gpus)))
 
 
 def test_training_on_cpu_jax_on_a_gpu_node_is_refused_with_the_install_line():
