@@ -31,6 +31,7 @@ BEST_METRICS = ("", "reverse_kl", "accuracy")
 ASYNC_MODES = ("exact", "bounded")
 GUARDS = ("warn", "backoff", "halt")
 TEACHER_SCORING = ("trainer", "engine")
+TEACHER_SERVE = ("trainer", "vllm")
 
 
 def check_choice(key: str, value, choices) -> None:
@@ -97,41 +98,6 @@ def _check_path(role: str, path: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class StudentConfig:
-  """`path`: an HF folder or `fetch:NAME`; empty builds the demo's model (addition task only).
-  `keep_layers` prunes a loaded model (`0::2` keeps every other layer). The rest size the demo model."""
-
-  path: str = ""
-  keep_layers: str = ""
-  hidden_size: int = 32
-  num_layers: int = 2
-  num_heads: int = 4
-  sft_steps: int = 100
-  sft_batch: int = 64
-  sft_lr: float = 3e-3
-
-  def check(self, role: str = "student"):
-    _check_path(role, self.path)
-
-
-@dataclasses.dataclass(frozen=True)
-class TeacherConfig(StudentConfig):
-  """As the student's, plus `view`: score with a perturbed teacher (e.g. `weights=fp8`)."""
-
-  view: str = "clean"
-  hidden_size: int = 64
-  sft_steps: int = 1200
-
-  def check(self, role: str = "teacher"):
-    super().check(role)
-    check_views("teacher.view", self.view, sep="\0")
-    from opdjax.views.view import EngineView
-
-    if EngineView.parse(self.view).lag:
-      raise UserError("teacher.view cannot have a lag: the teacher never changes.")
-
-
-@dataclasses.dataclass(frozen=True)
 class VllmConfig:
   """rollout.engine='vllm': a vLLM server (started here, or `url` to attach) samples; weights are
   synced every step. quantization / kv_cache_dtype ('fp8') need a GPU. `extra_args`: more
@@ -173,31 +139,80 @@ class VllmConfig:
     """`gpus` as a list ('0,1' -> ('0', '1'))."""
     return tuple(g.strip() for g in self.gpus.split(",") if g.strip())
 
-  def check(self):
-    check_positive("rollout.vllm.tensor_parallel_size", self.tensor_parallel_size)
-    check_positive("rollout.vllm.num_servers", self.num_servers)
+  def check(self, section: str = "rollout.vllm"):
+    check_positive(f"{section}.tensor_parallel_size", self.tensor_parallel_size)
+    check_positive(f"{section}.num_servers", self.num_servers)
     if not self.probe_tolerance >= 0:
-      raise UserError(f"rollout.vllm.probe_tolerance={self.probe_tolerance}: give a log-prob difference > 0, or 0 for"
+      raise UserError(f"{section}.probe_tolerance={self.probe_tolerance}: give a log-prob difference > 0, or 0 for"
                       " the default of the server's dtype.")
     if self.urls.strip(",").strip() and (self.url or self.num_servers > 1):
-      raise UserError(f"rollout.vllm.urls={self.urls!r} attaches to running servers; leave rollout.vllm.url empty and"
-                      " rollout.vllm.num_servers=1 (it counts servers opdjax starts), or give the one url alone.")
+      raise UserError(f"{section}.urls={self.urls!r} attaches to running servers; leave {section}.url empty and"
+                      f" {section}.num_servers=1 (it counts servers opdjax starts), or give the one url alone.")
     if self.url and self.num_servers > 1:
-      raise UserError(f"rollout.vllm.url={self.url!r} with rollout.vllm.num_servers={self.num_servers}: list the"
-                      " running servers in rollout.vllm.urls, or leave url empty to start num_servers here.")
+      raise UserError(f"{section}.url={self.url!r} with {section}.num_servers={self.num_servers}: list the"
+                      f" running servers in {section}.urls, or leave url empty to start num_servers here.")
     gpus = self.gpu_ids
     if gpus and len(gpus) != self.num_servers * self.tensor_parallel_size:
       need = self.num_servers * self.tensor_parallel_size
-      raise UserError(f"rollout.vllm.gpus={self.gpus!r} lists {len(gpus)} GPUs; {self.num_servers} server(s) x"
+      raise UserError(f"{section}.gpus={self.gpus!r} lists {len(gpus)} GPUs; {self.num_servers} server(s) x"
                       f" tensor_parallel_size={self.tensor_parallel_size} need {need}.")
     try:
       shlex.split(self.extra_args)
     except ValueError as e:
-      raise UserError(f"rollout.vllm.extra_args={self.extra_args!r}: {e}; quote it as for a shell.") from None
+      raise UserError(f"{section}.extra_args={self.extra_args!r}: {e}; quote it as for a shell.") from None
     if self.recipe:
       from opdjax.rollout.vllm.recipe import check_config
 
       check_config(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentConfig:
+  """`path`: an HF folder or `fetch:NAME`; empty builds the demo's model (addition task only).
+  `keep_layers` prunes a loaded model (`0::2` keeps every other layer). The rest size the demo model."""
+
+  path: str = ""
+  keep_layers: str = ""
+  hidden_size: int = 32
+  num_layers: int = 2
+  num_heads: int = 4
+  sft_steps: int = 100
+  sft_batch: int = 64
+  sft_lr: float = 3e-3
+
+  def check(self, role: str = "student"):
+    _check_path(role, self.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig(StudentConfig):
+  """As the student's, plus `view`: score with a perturbed teacher (e.g. `weights=fp8`), and `serve`:
+  where the teacher runs. `trainer` (default): its params and forward pass in the OPD step. `vllm`: its
+  own vLLM server(s) score every rollout through prompt log-probs (opdjax.rollout.vllm.teacher), started
+  here from `teacher.vllm` (its dtype, its FP8 flags on a GPU; never the rollout's section) or attached
+  (`teacher.vllm.url`/`urls`); the trainer then holds no teacher parameters. A served teacher returns
+  the sampled token's log-prob and the top-`loss.topk` (`topk_rkl`), so only the objectives that need no
+  more than that take it (docs/served_teacher.md)."""
+
+  view: str = "clean"
+  hidden_size: int = 64
+  sft_steps: int = 1200
+  serve: str = "trainer"
+  vllm: VllmConfig = VllmConfig()
+
+  def check(self, role: str = "teacher"):
+    super().check(role)
+    check_views("teacher.view", self.view, sep="\0")
+    from opdjax.views.view import EngineView
+
+    if EngineView.parse(self.view).lag:
+      raise UserError("teacher.view cannot have a lag: the teacher never changes.")
+    check_choice("teacher.serve", self.serve, TEACHER_SERVE)
+    self.vllm.check("teacher.vllm")
+    if self.serve == "vllm" and EngineView.parse(self.view) != EngineView():
+      raise UserError(f"teacher.view={self.view} perturbs the trainer's teacher; a served teacher's precision is its"
+                      " server's: set teacher.vllm.dtype / quantization / kv_cache_dtype, and leave teacher.view"
+                      " clean.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,6 +82,56 @@ def _topk_rkl(logp_s, logp_t, cfg: LossConfig):
   return inside + jnp.where(finite, jnp.exp(tail_s) * (tail_s - tail_t), 0.0)
 
 
+SERVED_OBJECTIVES = ("sampled_rkl", "topk_rkl")  # what a served teacher's answer (opdjax.rollout.vllm.teacher) feeds
+SERVED_KEYS = ("teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")
+# The teacher's tail mass outside its returned top-K is 1 - sum(top-K probabilities), floored here: a server's
+# fp32 log-prob of a likely token is logit - logsumexp, both of order 10, so it carries an absolute error of
+# about 1e-6, and a remainder below that is rounding, not mass (docs/served_teacher.md, "The tail").
+TAIL_FLOOR = 1e-6
+
+
+def served_terms(logits_s, teacher: dict, targets, cfg: LossConfig) -> dict[str, jax.Array]:
+  """`per_token_terms` with a served teacher: `teacher` holds what its server returned per position
+  (`teacher_logprobs`: the log-prob of the sampled target; for `topk_rkl` also `teacher_topk_ids` /
+  `teacher_topk_logprobs`: its top-K, K = loss.topk). `sampled_rkl` is exact (it needs only the target's
+  log-prob). `topk_rkl` sums over the teacher's top-K support S plus one tail bucket per side: the
+  student's tail is its exact mass outside S, the teacher's is 1 - sum_S p_t (floored at TAIL_FLOOR),
+  the rule the trainer-side `topk_rkl` uses with the teacher's full distribution; at K = V it is the
+  full reverse KL. `reverse_kl` is the sampled-token estimate log p_s(y) - log p_t(y) (unbiased for the
+  per-position reverse KL on the student's own samples), whatever K."""
+  logp_s = jax.nn.log_softmax(logits_s.astype(jnp.float32), axis=-1)
+  lp_s = jnp.take_along_axis(logp_s, targets[..., None], axis=-1)[..., 0]
+  lp_t = jax.lax.stop_gradient(teacher["teacher_logprobs"].astype(jnp.float32))
+  if cfg.kind == "sampled_rkl":
+    term = -jax.lax.stop_gradient(lp_t - lp_s) * lp_s
+  elif cfg.kind == "topk_rkl":
+    ids = teacher["teacher_topk_ids"]
+    lpt_k = jax.lax.stop_gradient(teacher["teacher_topk_logprobs"].astype(jnp.float32))
+    lps_k = jnp.take_along_axis(logp_s, ids, axis=-1)
+    inside = jnp.sum(jnp.exp(lps_k) * (lps_k - lpt_k), axis=-1)
+    in_s = jnp.put_along_axis(jnp.zeros(logp_s.shape, bool), ids, True, axis=-1, inplace=False)
+    tail_s = jax.nn.logsumexp(jnp.where(in_s, -jnp.inf, logp_s), axis=-1)
+    tail_t = jnp.log(jnp.maximum(_mass_outside(lpt_k), TAIL_FLOOR))
+    present = jnp.isfinite(tail_s)
+    tail_s = jnp.where(present, tail_s, 0.0)
+    term = inside + jnp.where(present, jnp.exp(tail_s) * (tail_s - tail_t), 0.0)
+  else:
+    raise UserError(f"loss.kind={cfg.kind!r} needs the teacher's whole distribution, which a served teacher does not"
+                    f" return: use one of {', '.join(SERVED_OBJECTIVES)}, or teacher.serve='trainer'.")
+  entropy = -jnp.sum(jnp.exp(logp_s) * logp_s, axis=-1)
+  return {"term": term, "reverse_kl": jax.lax.stop_gradient(lp_s - lp_t), "entropy": jax.lax.stop_gradient(entropy),
+          "trainer_logprobs": lp_s, "teacher_logprobs": lp_t}
+
+
+def _mass_outside(logp_k):
+  """1 - sum(exp(logp_k)) over the last axis without cancellation: -expm1 of the top-K's logsumexp, whose
+  log(1 + the others' share) comes from log1p (a peaked teacher's tail of 1e-5 keeps its digits in fp32)."""
+  top = jnp.max(logp_k, axis=-1, keepdims=True)
+  first = jnp.arange(logp_k.shape[-1]) == jnp.argmax(logp_k, axis=-1)[..., None]
+  others = jnp.sum(jnp.where(first, 0.0, jnp.exp(logp_k - top)), axis=-1)
+  return -jnp.expm1(top[..., 0] + jnp.log1p(others))
+
+
 def per_token_terms(logits_s, logits_t, targets, cfg: LossConfig) -> dict[str, jax.Array]:
   """Per-position objective term and diagnostics from `[..., V]` logits.
 
@@ -164,7 +214,7 @@ def _unchunk(y, length):
   return y.reshape(y.shape[0], -1, *y.shape[3:])[:, :length]
 
 
-def _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfig, dtype, sampling):
+def _fused_forward(h_s, w_s, teacher: dict, w_t, targets, rollout_lp, mask, cfg: LossConfig, dtype, sampling):
   """Loss, its gradients w.r.t. (h_s, w_s), and per-token diagnostics, one chunk at a time.
 
   The student's logits gradient is formed inside each chunk and immediately contracted into
@@ -179,10 +229,14 @@ def _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfi
   denom = jnp.maximum(jnp.sum(mask), 1.0)
 
   def body(g_w, xs):
-    hs, ht, tgt, rlp, m = xs
-    lt = _logits(ht, w_t, dtype)
+    hs, t, tgt, rlp, m = xs
     ls = _logits(hs, w_s, dtype)
-    term, vjp_fn, terms = jax.vjp(lambda ls: _term_and_aux(ls, lt, tgt, cfg), ls, has_aux=True)
+    if w_t is not None:  # the teacher's hidden states: its logits from its output matrix, chunk by chunk
+      lt = _logits(t["hidden"], w_t, dtype)
+      terms_fn = lambda ls: per_token_terms(ls, lt, tgt, cfg)  # noqa: E731
+    else:  # a served teacher's answer (served_terms)
+      terms_fn = lambda ls: served_terms(ls, t, tgt, cfg)  # noqa: E731
+    term, vjp_fn, terms = jax.vjp(lambda ls: _term_and_aux(terms_fn(ls)), ls, has_aux=True)
     lp_s = terms.pop("trainer_logprobs")  # the objective's: the student at T = 1
     lp_tr = lp_s if sampling is None else processed_logprobs(ls, tgt, sampling)
     lp_tr = jnp.where(m > 0, lp_tr, 0.0)  # off the mask a removed target would be -inf
@@ -196,14 +250,13 @@ def _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfi
     terms = {**terms, "student_logprobs": lp_s, "trainer_logprobs": lp_tr, "is_weight": w}
     return g_w, (jnp.sum(coef * term), g_h, terms)
 
-  xs = tuple(_chunks(x, chunk) for x in (h_s, h_t, targets, rollout_lp, mask))
+  xs = jax.tree.map(lambda x: _chunks(x, chunk), (h_s, teacher, targets, rollout_lp, mask))
   g_w, (losses, g_h, terms) = jax.lax.scan(body, jnp.zeros(w_s.shape, jnp.float32), xs)
   terms = jax.tree.map(lambda y: _unchunk(y, length), terms)
   return jnp.sum(losses), terms, (_unchunk(g_h, length).astype(h_s.dtype), g_w.astype(w_s.dtype))
 
 
-def _term_and_aux(logits_s, logits_t, targets, cfg):
-  terms = per_token_terms(logits_s, logits_t, targets, cfg)
+def _term_and_aux(terms):
   term = terms.pop("term")
   return term, jax.lax.stop_gradient(terms)
 
@@ -220,12 +273,13 @@ def fused_opd_loss(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg: LossConfi
   on `sampling`'s processed distribution, what `rollout_lp` is compared with; 0 off the mask, -inf
   where the processing removes the target), is_weight.
   """
-  loss, terms, _ = _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype, sampling)
+  loss, terms, _ = _fused_forward(h_s, w_s, {"hidden": h_t}, w_t, targets, rollout_lp, mask, cfg, dtype, sampling)
   return loss, terms
 
 
 def _fused_fwd(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype, sampling):
-  loss, terms, grads = _fused_forward(h_s, w_s, h_t, w_t, targets, rollout_lp, mask, cfg, dtype, sampling)
+  loss, terms, grads = _fused_forward(h_s, w_s, {"hidden": h_t}, w_t, targets, rollout_lp, mask, cfg, dtype,
+                                      sampling)
   return (loss, terms), grads
 
 
@@ -237,3 +291,27 @@ def _fused_bwd(cfg, dtype, sampling, grads, cotangents):
 
 
 fused_opd_loss.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def fused_served_loss(h_s, w_s, teacher: dict, targets, rollout_lp, mask, cfg: LossConfig, dtype,
+                      sampling: SamplingParams | None = None):
+  """`fused_opd_loss` with a served teacher: `teacher` holds its server's answer in the batch's
+  `[B, L(, K)]` layout (`SERVED_KEYS`, opdjax.rollout.vllm.teacher) instead of hidden states and an
+  output matrix; the objective is `served_terms`."""
+  loss, terms, _ = _fused_forward(h_s, w_s, teacher, None, targets, rollout_lp, mask, cfg, dtype, sampling)
+  return loss, terms
+
+
+def _served_fwd(h_s, w_s, teacher, targets, rollout_lp, mask, cfg, dtype, sampling):
+  loss, terms, grads = _fused_forward(h_s, w_s, teacher, None, targets, rollout_lp, mask, cfg, dtype, sampling)
+  return (loss, terms), grads
+
+
+def _served_bwd(cfg, dtype, sampling, grads, cotangents):
+  g_loss = cotangents[0]
+  g_h, g_w = grads
+  return ((g_loss * g_h).astype(g_h.dtype), (g_loss * g_w).astype(g_w.dtype), None, None, None, None)
+
+
+fused_served_loss.defvjp(_served_fwd, _served_bwd)

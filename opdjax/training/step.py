@@ -19,7 +19,7 @@ from opdjax.parallel.placement import Placement
 from opdjax.rollout.base import SamplingParams
 from opdjax.scoring.mismatch import sampled_metrics
 from opdjax.scoring.rescore import TrainBatch, masked_mean
-from opdjax.training.loss import LossConfig, fused_opd_loss, sampling_transform
+from opdjax.training.loss import SERVED_KEYS, LossConfig, fused_opd_loss, fused_served_loss, sampling_transform
 
 EXCLUDED_R = 20.0  # |r| of a sampled token the trainer's processed distribution excludes
 
@@ -77,7 +77,7 @@ def train_step_shardings(placement: Placement, params, teacher_params, optimizer
     return None
   mesh = placement.mesh
   state = placement.state_shardings(jax.eval_shape(lambda p: TrainState.create(p, optimizer), params))
-  teacher = rules.param_shardings(teacher_params, mesh)
+  teacher = None if teacher_params is None else rules.param_shardings(teacher_params, mesh)
   return (state, teacher, NamedSharding(mesh, rules.BATCH)), (state, rules.replicated(mesh))
 
 
@@ -90,19 +90,24 @@ def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teach
   the `mismatch_*` metrics; the objective stays on the models' T = 1 distributions. None: T = 1,
   unprocessed. A batch with `teacher_hidden` (rollout.teacher_scoring='engine') carries the teacher's
   final hidden states from the engine's process (opdjax.rollout.jax.teacher): the teacher's layers do not
-  run here, its output matrix and the fused loss do.
+  run here, its output matrix and the fused loss do. A batch with `teacher_logprobs` carries a served
+  teacher's answer (teacher.serve='vllm', opdjax.rollout.vllm.teacher): no teacher runs here at all
+  (`teacher` and `teacher_params` are None).
   """
   h_s, _ = student.hidden(params, batch["tokens"], batch["positions"], batch["attention_mask"])
-  if "teacher_hidden" in batch:
-    h_t = batch["teacher_hidden"]
-  else:
-    h_t, _ = teacher.hidden(teacher_params, batch["tokens"], batch["positions"], batch["attention_mask"])
   mask = batch["loss_mask"]
-  loss, terms = fused_opd_loss(
-      h_s, student.output_matrix(params), jax.lax.stop_gradient(h_t),
-      jax.lax.stop_gradient(teacher.output_matrix(teacher_params)), batch["targets"],
-      batch["rollout_logprobs"], mask, loss_cfg, jnp.dtype(student.cfg.dtype),
-      sampling_transform(sampling, student.cfg.vocab_size))
+  args = (batch["targets"], batch["rollout_logprobs"], mask, loss_cfg, jnp.dtype(student.cfg.dtype),
+          sampling_transform(sampling, student.cfg.vocab_size))
+  if "teacher_logprobs" in batch:
+    served = {k: jax.lax.stop_gradient(batch[k]) for k in SERVED_KEYS if k in batch}
+    loss, terms = fused_served_loss(h_s, student.output_matrix(params), served, *args)
+  else:
+    if "teacher_hidden" in batch:
+      h_t = batch["teacher_hidden"]
+    else:
+      h_t, _ = teacher.hidden(teacher_params, batch["tokens"], batch["positions"], batch["attention_mask"])
+    loss, terms = fused_opd_loss(h_s, student.output_matrix(params), jax.lax.stop_gradient(h_t),
+                                 jax.lax.stop_gradient(teacher.output_matrix(teacher_params)), *args)
   lp_s, lp_t = terms["student_logprobs"], terms["teacher_logprobs"]
   # Rollout vs trainer on the same tokens and the same processed distribution, from the forward
   # pass the loss already did.
@@ -165,8 +170,8 @@ def apply_gradients(state: TrainState, grads, metrics: dict, optimizer: optax.Gr
   return new, metrics
 
 
-def check_compatible(student: Model, teacher: Model) -> None:
-  if student.cfg.vocab_size != teacher.cfg.vocab_size:
+def check_compatible(student: Model, teacher: Model | None) -> None:
+  if teacher is not None and student.cfg.vocab_size != teacher.cfg.vocab_size:
     raise UserError(
         f"student vocab_size={student.cfg.vocab_size} != teacher vocab_size="
         f"{teacher.cfg.vocab_size}: OPD needs one shared tokenizer; pick models from the same family.")
