@@ -69,21 +69,25 @@ def test_an_unpadded_batch_attends_without_a_bias(cuda):
   assert cuda() == []
 
 
-def _generate_text(prompt: int, new: int) -> str:
+def _generate_text(prompt: int, new: int, batch: int = 8) -> str:
   model = Model(_qwen3("qwen3-0.6b"))
   engine = JaxEngine(model, None, max_len=prompt + new, pad_id=0, eos_ids=())
   fn = engine._fn(SamplingParams(max_new_tokens=new, temperature=1.0))
   params = jax.eval_shape(model.init, jax.random.key(0))
-  cache = jax.eval_shape(lambda: model.init_cache(8, prompt + new))
-  tokens = jax.ShapeDtypeStruct((8, prompt), jnp.int32)
-  return fn.trace(params, cache, tokens, jax.ShapeDtypeStruct((8, prompt), bool),
+  cache = jax.eval_shape(lambda: model.init_cache(batch, prompt + new))
+  tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
+  return fn.trace(params, cache, tokens, jax.ShapeDtypeStruct((batch, prompt), bool),
                   jax.eval_shape(lambda: jax.random.key(0))).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_an_odd_prefill_lowers_to_cudnn(cuda):
+# (prompt, new tokens, batch): an odd cache, and the config's rollout (max_new_tokens 512 of max_len 1024,
+# the longest prompt padded to 512, batch 64).
+@pytest.mark.parametrize("prompt,new,batch", [(120, 129, 8), (MAX_LEN - 512, 512, BATCH)])
+def test_the_rollouts_prefill_lowers_to_cudnn(cuda, prompt, new, batch):
   """A prefill is never differentiated: p=120 against a 249-slot cache takes cuDNN's forward (the
-  training-only even-length rule once sent it to XLA). The decode steps stay XLA (no custom call)."""
-  calls = _calls(_generate_text(120, 129))
+  training-only even-length rule once sent it to XLA). The decode steps read the cache through
+  `decode_attention` (plain XLA dots over a window, no custom call) and log no fallback."""
+  calls = _calls(_generate_text(prompt, new, batch))
   assert calls.count(FWD) == 1 and BWD not in calls, sorted(set(calls))
   assert cuda() == []
 
