@@ -19,6 +19,7 @@ from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_t
 # configs/qwen3_1p7b_to_0p6b.py: rollout.max_len 1024 (so L = P + N - 1 = 1023), batch 64, sampled_rkl, chunk 128.
 MAX_LEN, BATCH = 1024, 64
 FWD, BWD = "__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"
+FWD_NO_BIAS, BWD_NO_BIAS = "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"
 
 
 @pytest.fixture
@@ -53,37 +54,73 @@ def _train_step_text(length: int, padded: bool = True) -> str:
   return step.trace(state, t_params, batch).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_train_step_at_the_config_shapes_lowers_to_cudnn_forward_and_backward(cuda):
-  """L = 1023 is odd, and cuDNN's backward with a bias takes only even lengths: the step pads one
-  masked position rather than falling back (every layer of both models, forward and backward)."""
-  calls = _calls(_train_step_text(MAX_LEN - 1))
-  assert calls.count(FWD) >= 2 and calls.count(BWD) >= 1, sorted(set(calls))
+@pytest.mark.parametrize("padded", [True, False])
+def test_train_step_at_the_config_shapes_lowers_to_cudnn_without_a_bias(cuda, padded):
+  """Every layer of both models, forward and backward, through cuDNN with no fallback and no
+  [B, 1, T, T] bias for it to read (nor its gradient to write): a padded batch's rows are left-aligned
+  and attend under causality alone, as an unpadded batch (attention_mask None) does. L = 1023 is odd,
+  and cuDNN's backward takes only even lengths: one position is padded rather than falling back."""
+  text = _train_step_text(MAX_LEN - 1, padded=padded)
+  calls = _calls(text)
+  assert calls.count(FWD_NO_BIAS) >= 2 and calls.count(BWD_NO_BIAS) >= 1, sorted(set(calls))
+  assert FWD not in calls and BWD not in calls, sorted(set(calls))
+  assert f"tensor<{BATCH}x1x{MAX_LEN}x{MAX_LEN}x" not in text  # no bias, even at the evened length
   assert cuda() == []  # no fallback notice
 
 
-def test_an_unpadded_batch_attends_without_a_bias(cuda):
-  """attention_mask None: is_causal alone, no [B, 1, T, T] bias for cuDNN to read (nor its gradient)."""
-  calls = _calls(_train_step_text(MAX_LEN - 1, padded=False))
-  assert FWD not in calls and BWD not in calls, sorted(set(calls))
-  assert "__cudnn$fmhaSoftmax" in calls and "__cudnn$fmhaSoftmaxBackward" in calls, sorted(set(calls))
-  assert cuda() == []
+def test_left_aligned_rows_attend_as_the_key_mask_did(monkeypatch):
+  """The decoder's left-aligned, mask-free attention (what cuDNN runs) against the masked attention
+  (XLA's, the CPU default), on rows padded on the left, on both sides and not at all: the same logits
+  at every real position and the same parameter gradients of a loss over them. Dropping the mask
+  without aligning the rows changes the padded rows' logits (what the comparison could catch)."""
+  from opdjax.models import decoder
+
+  model = Model(ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True))
+  params = model.init(jax.random.key(0))
+  rng = jax.random.split(jax.random.key(1), 2)
+  ids = jnp.arange(9)[None, :]
+  mask = (ids >= jnp.asarray([[0], [3], [5]])) & (ids < jnp.asarray([[9], [7], [9]]))
+  tokens = jnp.where(mask, jax.random.randint(rng[0], (3, 9), 1, 64), 0)
+  positions = decoder.positions_from_mask(mask)
+  weights = jnp.where(mask[..., None], jax.random.normal(rng[1], (3, 9, 64)), 0.0)
+
+  def run(aligned, attention_mask=mask):
+    monkeypatch.setattr(decoder, "drops_key_mask", lambda cfg: aligned)
+    def loss(p):
+      logits, _ = model.apply(p, tokens, positions, attention_mask)
+      return jnp.sum(weights * logits), logits
+    return jax.value_and_grad(loss, has_aux=True)(params)
+
+  (_, want), want_g = run(False)
+  (_, got), got_g = run(True)
+  (_, unaligned), _ = run(False, attention_mask=None)
+  real, scale = mask[..., None], float(jnp.max(jnp.abs(want)))
+  assert float(jnp.max(jnp.abs(jnp.where(real, got - want, 0)))) < 1e-5 * scale
+  for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+    assert float(jnp.max(jnp.abs(a - b))) < 1e-5 * (1 + float(jnp.max(jnp.abs(b)))), a.shape
+  assert float(jnp.max(jnp.abs(jnp.where(real, unaligned - want, 0)))) > 1e-2 * scale
 
 
-def _generate_text(prompt: int, new: int) -> str:
+def _generate_text(prompt: int, new: int, batch: int = 8) -> str:
   model = Model(_qwen3("qwen3-0.6b"))
   engine = JaxEngine(model, None, max_len=prompt + new, pad_id=0, eos_ids=())
   fn = engine._fn(SamplingParams(max_new_tokens=new, temperature=1.0))
   params = jax.eval_shape(model.init, jax.random.key(0))
-  cache = jax.eval_shape(lambda: model.init_cache(8, prompt + new))
-  tokens = jax.ShapeDtypeStruct((8, prompt), jnp.int32)
-  return fn.trace(params, cache, tokens, jax.ShapeDtypeStruct((8, prompt), bool),
+  cache = jax.eval_shape(lambda: model.init_cache(batch, prompt + new))
+  tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
+  return fn.trace(params, cache, tokens, jax.ShapeDtypeStruct((batch, prompt), bool),
                   jax.eval_shape(lambda: jax.random.key(0))).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_an_odd_prefill_lowers_to_cudnn(cuda):
+# (prompt, new tokens, batch): an odd cache, and the config's rollout (max_new_tokens 512 of max_len 1024,
+# the longest prompt padded to 512, batch 64).
+@pytest.mark.parametrize("prompt,new,batch", [(120, 129, 8), (MAX_LEN - 512, 512, BATCH)])
+def test_the_rollouts_prefill_lowers_to_cudnn(cuda, prompt, new, batch):
   """A prefill is never differentiated: p=120 against a 249-slot cache takes cuDNN's forward (the
-  training-only even-length rule once sent it to XLA). The decode steps stay XLA (no custom call)."""
-  calls = _calls(_generate_text(120, 129))
+  training-only even-length rule once sent it to XLA). The decode steps read the cache through
+  `decode_attention` (plain XLA dots over a window, no custom call) and log no fallback."""
+  calls = _calls(_generate_text(prompt, new, batch))
   assert calls.count(FWD) == 1 and BWD not in calls, sorted(set(calls))
   assert cuda() == []
 

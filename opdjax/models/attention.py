@@ -63,6 +63,26 @@ def attention_backend(requested: str, dtype, head_dim: int, platform: str) -> st
   return "cudnn"
 
 
+def drops_key_mask(cfg: ModelConfig) -> bool:
+  """Whether attention without a cache runs on each row's tokens moved to its start, under causality
+  alone (`left_aligned`): where cuDNN runs it, a key-padding mask is a `[B, 1, T, T]` bias that every
+  layer reads and, in its backward, writes a gradient of. XLA keeps the mask, so the CPU numbers stay
+  those of the masked attention."""
+  return attention_backend(cfg.attention_impl, jnp.dtype(cfg.dtype), cfg.head_dim, _platform()) == "cudnn"
+
+
+def left_aligned(mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(order, inverse)`, `[B, T]` indices along T: `take_along_axis(x, order)` rotates each row so its
+  first real token is at 0, `inverse` rotates back. A row's real tokens are one run (left-padded
+  prompt, right-padded completion: `rollout.base.model_inputs`), so afterwards they are `[0, n)`:
+  causality alone keeps every real query off the padding (which now follows it), the same keys the
+  key mask allowed. Padded positions attend differently; every reduction masks them out."""
+  t = mask_BxT.shape[1]
+  start = jnp.argmax(mask_BxT.astype(bool), axis=1)[:, None]  # 0 for a row without a real token
+  ids = jnp.arange(t)[None, :]
+  return (ids + start) % t, (ids - start) % t
+
+
 def _compile_check(fn, abstract) -> None:
   """Compiles `fn` at these shapes on this GPU, so a cuDNN graph that fails to build (an error XLA
   raises only when it compiles the fused call, long after tracing passed) is a fallback, not a crash
@@ -195,8 +215,8 @@ class Attention(nn.Module):
     new = None
 
     if kv is None:
-      # cuDNN turns a mask into a [B, 1, T, S] bias (and its gradient); is_causal lets it skip the upper
-      # triangle. A batch without padding (attention_mask None) needs no mask at all.
+      # cuDNN turns a mask into a [B, 1, T, T] bias (and its gradient); is_causal lets it skip the upper
+      # triangle. Rows the decoder left-aligned (`drops_key_mask`) or without padding come as None.
       key_mask = None if attention_mask is None else jnp.broadcast_to(
           attention_mask[:, None, None, :].astype(bool), (b, 1, t, t))
       out = fused_attention(q, kk, v, key_mask, True, attention_backend(cfg.attention_impl, dt, e, _platform()))

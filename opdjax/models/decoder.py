@@ -6,9 +6,9 @@ and returned, updated with `dynamic_update_slice`, never mutated.
 
 Shapes: B batch, T new tokens, S cache slots, D model width, H query heads,
 K key/value heads, G = H // K query heads per kv head, E head_dim, V vocab.
-Without a cache, `attention_mask` is the key-padding mask `[B, T]` (None: no padding); with a cache
-it is the mask of valid cache slots `[B, S]` (after writing the new tokens), and
-the new tokens are written at slot `cache["index"]`.
+Without a cache, `attention_mask` is the key-padding mask `[B, T]`, each row's real tokens one run
+(padding before and after it; None: no padding); with a cache it is the mask of valid cache slots
+`[B, S]` (after writing the new tokens), and the new tokens are written at slot `cache["index"]`.
 
 The decoder layers are one `nn.scan` over stacked params (`params["layers"][...]` has a leading
 `[L]` axis) and a stacked cache (`[L, B, S, K, E]`), so compile time does not grow with depth.
@@ -34,7 +34,9 @@ from opdjax.models.attention import (  # noqa: F401  (re-exported: callers impor
   cudnn_limits,
   decode_attention,
   decode_windows,
+  drops_key_mask,
   fused_attention,
+  left_aligned,
 )
 from opdjax.models.config import ModelConfig
 from opdjax.models.layers import Linear, RMSNorm, dense, kv_fake_quant, matmul_precision, rope  # noqa: F401
@@ -127,11 +129,18 @@ class Decoder(nn.Module):
     if cache is not None and tokens_BxT.shape[1] == 1:
       x, new = self.decode_step(tokens_BxT, positions_BxT, attention_mask, cache)
       return x, write_step(cache, new)
+    inverse = None
+    if cache is None and attention_mask is not None and drops_key_mask(self.cfg):
+      order, inverse = left_aligned(attention_mask)
+      tokens_BxT, positions_BxT = (jnp.take_along_axis(a, order, axis=1) for a in (tokens_BxT, positions_BxT))
+      attention_mask = None
     x = self.embed_tokens(tokens_BxT).astype(jnp.dtype(self.cfg.dtype))
     kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
     index = None if cache is None else cache["index"]
     layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
     (x, kv), _ = self.layers((x, kv), layer_ids, positions_BxT, attention_mask, index)
+    if inverse is not None:  # back to the caller's layout
+      x = jnp.take_along_axis(x, inverse[..., None], axis=1)
     x = self.norm(x)
     if cache is not None:
       cache = {"index": index + tokens_BxT.shape[1], **kv}
