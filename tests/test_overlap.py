@@ -57,7 +57,7 @@ def test_the_loops_timing_records_the_overlap_fields():
   """Timing.fields (opdjax.pipeline.loop) adds the overlap fields to its own split."""
   stats = {"time_load_s": 0.01, "time_weight_sync_s": 0.02, "time_generate_s": 0.03, "time_prepare_s": 0.01,
            "time_queue_wait_s": 0.0, "time_producer_wait_s": 0.0, "time_publish_s": 0.0}
-  timing = Timing(Sample(None, [], None, lambda: None, stats), step=3, depth=1, eval_s=0.0)
+  timing = Timing(Sample(None, [], None, dict, stats), step=3, depth=1, eval_s=0.0)
   time.sleep(0.1)
   timing.end(0.0)
   rec = timing.fields(0.0)

@@ -77,9 +77,28 @@ class Config:
         RolloutConfig(engine="vllm", view=self.train.guard_view).check()
       except UserError as e:
         raise UserError(f"train.guard_view: {e}") from None
+    if self.teacher.serve == "vllm":
+      self._check_served_teacher()
     if self.task.name == "prompts" and not self.teacher.path:
       raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
     return self
+
+  def _check_served_teacher(self) -> None:
+    """What a served teacher can feed: the objectives that need only the sampled token's log-prob and the
+    teacher's top-K (opdjax.training.loss.SERVED_OBJECTIVES), from the teacher's side of the rollout."""
+    from opdjax.training.loss import SERVED_OBJECTIVES
+
+    if self.loss.kind not in SERVED_OBJECTIVES:
+      raise UserError(f"loss.kind={self.loss.kind!r} needs the teacher's whole distribution, which a served teacher"
+                      " (teacher.serve='vllm') does not return: use loss.kind='sampled_rkl' or 'topk_rkl' (the"
+                      " teacher's top loss.topk), or teacher.serve='trainer'.")
+    if self.loss.kind == "topk_rkl" and self.loss.topk_support != "teacher":
+      raise UserError("loss.topk_support='student' needs the teacher's log-probs on the student's top-K, which a"
+                      " served teacher does not return: use loss.topk_support='teacher' with teacher.serve='vllm'.")
+    if self.rollout.teacher_scoring != "trainer":
+      raise UserError(f"rollout.teacher_scoring={self.rollout.teacher_scoring!r} runs the teacher in the JAX engine's"
+                      " process; teacher.serve='vllm' scores it on its own servers: choose one (leave"
+                      " rollout.teacher_scoring='trainer').")
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

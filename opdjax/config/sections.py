@@ -199,6 +199,7 @@ class TeacherConfig(StudentConfig):
   sft_steps: int = 1200
   serve: str = "trainer"
   vllm: VllmConfig = VllmConfig()
+  check_every: int = 0  # served: every k-th batch re-scored at the trainer's precision (teacher_mismatch_*)
 
   def check(self, role: str = "teacher"):
     super().check(role)
@@ -209,6 +210,11 @@ class TeacherConfig(StudentConfig):
       raise UserError("teacher.view cannot have a lag: the teacher never changes.")
     check_choice("teacher.serve", self.serve, TEACHER_SERVE)
     self.vllm.check("teacher.vllm")
+    check_positive("teacher.check_every", self.check_every, 0)
+    if self.check_every and self.serve != "vllm":
+      raise UserError(f"teacher.check_every={self.check_every} compares a served teacher with the same teacher at the"
+                      " trainer's precision; with teacher.serve='trainer' the trainer's teacher is that reference:"
+                      " leave teacher.check_every=0.")
     if self.serve == "vllm" and EngineView.parse(self.view) != EngineView():
       raise UserError(f"teacher.view={self.view} perturbs the trainer's teacher; a served teacher's precision is its"
                       " server's: set teacher.vllm.dtype / quantization / kv_cache_dtype, and leave teacher.view"

@@ -54,6 +54,28 @@ def prune_layers(model_cfg: ModelConfig, params, keep: str):
   return model_cfg.replace(num_layers=len(kept)), {**params, "layers": jax.tree.map(lambda x: x[idx], params["layers"])}
 
 
+def teacher_folder(cfg, task) -> tuple[str, ModelConfig]:
+  """The HF folder a served teacher's servers load (teacher.serve='vllm') and its config, without keeping its
+  params here: `teacher.path`, or the demo's cached teacher (built first when absent)."""
+  mc = cfg.teacher
+  if mc.path:
+    if mc.keep_layers:
+      raise UserError(f"teacher.keep_layers={mc.keep_layers!r} prunes the teacher in the trainer; a served teacher's"
+                      " servers load its folder as it is: write the pruned teacher to a folder of its own and give it"
+                      " as teacher.path, or use teacher.serve='trainer'.")
+    path = resolve(mc.path)
+    model_cfg = ModelConfig.from_pretrained(path)
+  elif isinstance(task, AdditionTask):
+    model, _, path = cached_sft_model("teacher", mc, task, cfg.seed)
+    model_cfg = model.cfg
+  else:
+    raise UserError("teacher.path is empty: give an HF safetensors folder for the served teacher.")
+  if model_cfg.vocab_size < task.vocab_size:
+    raise UserError(f"teacher vocab_size={model_cfg.vocab_size} is smaller than the task's tokenizer"
+                    f" ({task.vocab_size} tokens); use a teacher that matches the prompts' tokenizer.")
+  return path, model_cfg
+
+
 def load_model(role: str, cfg, task):
   """(Model, params) of `role` (teacher or student) from the typed config."""
   mc = getattr(cfg, role)

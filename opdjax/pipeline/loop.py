@@ -71,9 +71,7 @@ class Loop:
       return
     rec, metrics, score, timing = self.pending
     self.pending = None
-    s = score()
-    if s is not None:
-      rec["train_accuracy"] = s
+    rec.update(score())  # train_accuracy, teacher_mismatch_* (Sample.score)
     metrics = jax.device_get(metrics)  # one transfer for every metric
     rec.update({("train_reverse_kl" if k == "reverse_kl" else k): float(v) for k, v in metrics.items()})
     if self.last_eval is not None:

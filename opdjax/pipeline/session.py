@@ -16,10 +16,10 @@ from opdjax.errors import UserError
 from opdjax.models import Model, save_hf_params
 from opdjax.parallel.devices import describe_engine, engine_mesh
 from opdjax.parallel.placement import Placement
-from opdjax.pipeline.build import load_model, make_task
+from opdjax.pipeline.build import load_model, make_task, teacher_folder
 from opdjax.pipeline.heldout import HeldOut
 from opdjax.rollout import RolloutEngine
-from opdjax.rollout.deploy import Deployment, build, jax_engines, plan
+from opdjax.rollout.deploy import Deployment, build, jax_engines, plan, serve_teacher
 from opdjax.rollout.jax.cache import EngineCache
 from opdjax.scoring.mismatch import exact_kl
 from opdjax.scoring.rescore import batch_from_rollout, masked_mean
@@ -96,8 +96,18 @@ class Session:
     trainer_devices = None if self.deployment.trainer_devices is None else list(self.deployment.trainer_devices)
     self.engine_devices = None if self.deployment.engine_devices is None else list(self.deployment.engine_devices)
     self.task = make_task(cfg)
-    self.clean_teacher, self.clean_teacher_params = load_model("teacher", cfg, self.task)
+    self.served_teacher = None  # teacher.serve='vllm': its servers, started at the first scoring (they write logs)
+    self._reference = None  # the served teacher at the trainer's precision, for teacher.check_every
+    if cfg.teacher.serve == "vllm":  # the trainer holds no teacher parameters at all
+      self.teacher_dir, teacher_cfg = teacher_folder(cfg, self.task)
+      self.clean_teacher, self.clean_teacher_params = None, None
+    else:
+      self.clean_teacher, self.clean_teacher_params = load_model("teacher", cfg, self.task)
+      teacher_cfg = self.clean_teacher.cfg
     self.student, self.student_params = load_model("student", cfg, self.task)
+    if teacher_cfg.vocab_size != self.student.cfg.vocab_size:
+      raise UserError(f"student vocab_size={self.student.cfg.vocab_size} != teacher vocab_size="
+                      f"{teacher_cfg.vocab_size}: OPD needs one shared tokenizer; pick models from the same family.")
     def note(trainer_mesh) -> str:  # the start-up line says where the engine samples
       if not self.engine_devices:
         return ""
@@ -105,12 +115,16 @@ class Session:
       return describe_engine(self.engine_devices, mesh)
 
     # The mesh (cfg.mesh): student and teacher sharded by opdjax.parallel.rules; one device by default.
+    models = {"student": self.student.cfg}
+    if self.clean_teacher is not None:
+      models["teacher"] = self.clean_teacher.cfg
     self.placement = Placement.from_config(
-        cfg.mesh, {"student": self.student.cfg, "teacher": self.clean_teacher.cfg},
+        cfg.mesh, models,
         {"rollout.batch_size": cfg.rollout.batch_size, "task.num_eval": len(self.task.eval_set()[0])},
         devices=trainer_devices, note=note)
     self.student_params = self.placement.params(self.student_params)
-    self.clean_teacher_params = self.placement.params(self.clean_teacher_params)
+    if self.clean_teacher_params is not None:
+      self.clean_teacher_params = self.placement.params(self.clean_teacher_params)
     self.sampling = cfg.rollout.sampling
     self.views = ViewTransform(self.student.cfg.num_layers)
     self.teacher_view = EngineView.parse(cfg.teacher.view)
@@ -127,9 +141,34 @@ class Session:
                               self.placement, teacher=(self.teacher, self.teacher_params))
     self.held_out = HeldOut(self.student, self.teacher, self.task, self.sampling, cfg.loss.chunk, cfg.seed,
                             {"max_len": cfg.rollout.max_len, "pad_id": self.task.pad_id,
-                             "eos_ids": self.task.eos_ids, "placement": self.placement})
+                             "eos_ids": self.task.eos_ids, "placement": self.placement},
+                            served=self.score_teacher if cfg.teacher.serve == "vllm" else None)
     self._steps: dict = {}
     self._optimizers: dict = {}
+
+  def score_teacher(self, rollout) -> dict:
+    """A served teacher's answer on `rollout`, in the batch's layout (opdjax.rollout.vllm.teacher); its
+    servers start (or are attached to) at the first call."""
+    if self.served_teacher is None:
+      if self.out_dir is None:
+        raise UserError("teacher.serve='vllm' needs an output folder for its servers' logs (opdjax train --out).")
+      self.served_teacher = serve_teacher(self.deployment, self.cfg, self.teacher_dir,
+                                          vocab_size=self.student.cfg.vocab_size, out_dir=self.out_dir,
+                                          batch_size=max(self.cfg.rollout.batch_size, len(self.task.eval_set()[0])))
+    return self.served_teacher.score(rollout)
+
+  def check_teacher(self, batch, answer) -> dict[str, float]:
+    """`teacher_mismatch_*` of a served teacher's `answer` on `batch` against the same teacher at the trainer's
+    precision (opdjax.training.teacher_check), its params loaded for this check only and dropped after."""
+    from opdjax.models import load_hf_params
+    from opdjax.models.config import ModelConfig
+    from opdjax.training.teacher_check import teacher_deviation
+
+    if self._reference is None:  # the Model alone (no params): the check compiles once
+      ref_cfg = ModelConfig.from_pretrained(self.teacher_dir)
+      self._reference = Model(ref_cfg.replace(dtype=self.cfg.model.dtype))
+    params = self.placement.params(load_hf_params(self.teacher_dir, self._reference.cfg))
+    return {k: float(v) for k, v in teacher_deviation(self._reference, params, batch, answer).items()}
 
   # --- compiled pieces, built on first use ---
 
@@ -180,7 +219,7 @@ class Session:
 
   def evaluate(self, params, version: int = 0) -> dict[str, float]:
     out, r = self.held_out(params, self.teacher_params, version)
-    if self.teacher is not self.clean_teacher:  # the scoring teacher's own mismatch, on the same scale
+    if self.teacher is not self.clean_teacher:  # the scoring teacher's own mismatch, on the same scale (a view)
       out["teacher_mismatch_exact_kl"] = float(
           self._teacher_kl(self.teacher_params, self.clean_teacher_params, batch_from_rollout(r)))
     return out
@@ -199,3 +238,6 @@ class Session:
 
   def close(self) -> None:
     self.engines.close()
+    if self.served_teacher is not None:
+      self.served_teacher.close()
+      self.served_teacher = None

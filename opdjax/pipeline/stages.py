@@ -26,10 +26,12 @@ from opdjax.views.view import EngineView
 @dataclasses.dataclass
 class Sample:
   """Step t's rollout, ready for the objective. `inputs` are built from the rollout alone (no params),
-  so a producer can build them off the trainer's critical path; `score()` is the verifier's score of
-  the completions (None without a verifier). `stats`: seconds spent in each sampling stage (timed
-  samplers only). `record`: what the weight sync reports for the step's record, timed or not
-  (`WeightUpdate.stats`: export and reload seconds, `sync_probe_max_abs`)."""
+  so a producer can build them off the trainer's critical path; `score()` gives the record's fields the
+  rollout alone determines: the verifier's score of the completions (`train_accuracy`, absent without a
+  verifier) and a served teacher's check (`teacher_mismatch_*`, on the steps teacher.check_every picks).
+  `stats`: seconds spent in each sampling stage (timed samplers only). `record`: what the weight sync
+  reports for the step's record, timed or not (`WeightUpdate.stats`: export and reload seconds,
+  `sync_probe_max_abs`)."""
 
   rollout: Rollout
   refs: list
@@ -147,14 +149,24 @@ def rescore_batch(rollout: Rollout):
 class OpdObjective:
   """Re-score the rollout with student and teacher, one jitted step on the OPD loss. With
   rollout.teacher_scoring='engine' the rollout brings the teacher's hidden states (ScoredRollout, from
-  the engine's process) and the batch carries them: the step skips the teacher's layers."""
+  the engine's process) and the batch carries them: the step skips the teacher's layers. With
+  teacher.serve='vllm' the teacher's servers score the rollout here, where it was sampled (the
+  asynchronous producer's thread: scoring overlaps training), and the batch carries their answer."""
 
   def __init__(self, session: Session):
     self.session, self.step_fn = session, session.train_step("opd")
     self.engine_scored = session.cfg.rollout.teacher_scoring == "engine"
+    self.served = session.cfg.teacher.serve == "vllm"
+    self.check_every, self.scored = session.cfg.teacher.check_every, 0
 
   def prepare(self, rollout: Rollout, refs):
-    batch = rescore_batch(rollout)
+    batch, check = rescore_batch(rollout), {}
+    if self.served:
+      answer = self.session.score_teacher(rollout)
+      self.scored += 1
+      if self.check_every and self.scored % self.check_every == 0:  # teacher.check_every: the served teacher's own
+        check = self.session.check_teacher(batch, answer)
+      batch = {**batch, **answer}
     if self.engine_scored:
       hidden = getattr(rollout, "teacher_hidden", None)
       if hidden is None:  # the config checks rule this out; an engine built around them would land here
@@ -164,7 +176,7 @@ class OpdObjective:
         raise RuntimeError(f"the engine's teacher hidden states {hidden.shape} do not line up with the batch's"
                            f" tokens {batch['tokens'].shape}.")
       batch = {**batch, "teacher_hidden": hidden}
-    return batch, lambda: self.session.task.score(refs, rollout.completions())
+    return batch, lambda: {**accuracy(self.session.task.score(refs, rollout.completions())), **check}
 
   def __call__(self, state, sample: Sample):
     state, metrics = self.step_fn(state, self.session.teacher_params, sample.inputs)
@@ -180,18 +192,26 @@ class GrpoObjective:
     if session.cfg.rollout.teacher_scoring == "engine":
       raise UserError("rollout.teacher_scoring='engine' has the engine score the teacher for the OPD loss; GRPO has"
                       " no teacher: leave rollout.teacher_scoring='trainer' for the GRPO objective.")
+    if session.cfg.teacher.serve == "vllm":
+      raise UserError("teacher.serve='vllm' serves the teacher for the OPD loss; GRPO has no teacher: leave"
+                      " teacher.serve='trainer' for the GRPO objective.")
     self.grpo, self.session, self.step_fn = grpo, session, session.train_step("grpo")
 
   def prepare(self, rollout: Rollout, refs):
     g = self.session.cfg.grpo
     r = self.grpo.verifier_rewards(self.session.task, refs, rollout.completions())
     adv = self.grpo.group_advantages(jnp.asarray(r), g.group_size, g.normalize_std)
-    return (rescore_batch(rollout), adv), lambda: float(r.mean())
+    return (rescore_batch(rollout), adv), lambda: accuracy(float(r.mean()))
 
   def __call__(self, state, sample: Sample):
     batch, adv = sample.inputs
     state, metrics = self.step_fn(state, batch, adv)
     return state, metrics, sample.score
+
+
+def accuracy(score: float | None) -> dict:
+  """The verifier's score of a step's completions as its record's field (none without a verifier)."""
+  return {} if score is None else {"train_accuracy": score}
 
 
 def objective(session: Session, algo: str):

@@ -50,7 +50,9 @@ class Deployment:
   asynchronous JAX engine when `rollout.devices` gives it its own (None: every device / not chosen).
   `attached`: running vLLM servers attached to (() when opdjax starts its own). `engine_here`: this
   process drives the engine (a vLLM engine lives in process 0 only). `processes`: the trainer's.
-  `teacher_on_engine`: the engine's process scores the teacher (rollout.teacher_scoring='engine')."""
+  `teacher_on_engine`: the engine's process scores the teacher (rollout.teacher_scoring='engine').
+  `teacher_served`: the teacher's own vLLM servers score every rollout (teacher.serve='vllm'), started
+  here (`serve_teacher`) or attached (`teacher_attached`)."""
 
   kind: str
   rollout: object
@@ -61,6 +63,8 @@ class Deployment:
   engine_here: bool = True
   processes: int = 1
   teacher_on_engine: bool = False
+  teacher_served: bool = False
+  teacher_attached: tuple[str, ...] = ()
 
   @property
   def one_engine(self) -> bool:
@@ -176,9 +180,44 @@ def plan(cfg) -> Deployment:
     else:  # servers started here: FP8 needs FP8 GPUs
       v = r.vllm
       check_fp8(v.quantization or ("fp8" if v.recipe else ""), v.kv_cache_dtype, gpu_capabilities(v.gpus))
+  served, teacher_attached = _plan_teacher(cfg, processes)
   return Deployment(r.engine, r, cores, None if trainer_devices is None else tuple(trainer_devices),
                     None if own_devices is None else tuple(own_devices), attached, engine_here, processes,
-                    r.teacher_scoring == "engine")
+                    r.teacher_scoring == "engine", served, teacher_attached)
+
+
+def _plan_teacher(cfg, processes: int) -> tuple[bool, tuple[str, ...]]:
+  """(teacher served, the teacher servers attached to), after the checks that need no model: one trainer
+  process (its servers would otherwise start in every process), the attached servers' URLs and log-prob
+  mode and limit, FP8 on FP8 GPUs for servers started here."""
+  t = cfg.teacher
+  if t.serve != "vllm":
+    return False, ()
+  if processes > 1:
+    raise UserError(f"teacher.serve='vllm' with {processes} trainer processes: the served teacher is scored from one"
+                    " trainer process today; run one process (its mesh over this host's devices), or"
+                    " teacher.serve='trainer'.")
+  from opdjax.rollout.vllm.teacher import check_teacher_servers
+
+  v = t.vllm
+  if v.attached:
+    check_teacher_servers(v.attached, v.api_key, topk=cfg.loss.topk if cfg.loss.kind == "topk_rkl" else 0,
+                          max_len=cfg.rollout.max_len)
+  else:
+    check_fp8(v.quantization or ("fp8" if v.recipe else ""), v.kv_cache_dtype, gpu_capabilities(v.gpus))
+  return True, v.attached
+
+
+def serve_teacher(d: Deployment, cfg, model_dir: str, *, vocab_size: int, batch_size: int, out_dir: str):
+  """The served teacher of a Deployment with `teacher_served`: its servers started from `teacher.vllm`
+  (serving `model_dir`), or the attached ones; `batch_size`: the most rows one scoring sends."""
+  from opdjax.rollout.vllm.teacher import ServedTeacher
+
+  if not d.teacher_served:
+    raise ValueError("this Deployment scores the teacher in the trainer (teacher.serve='trainer').")
+  return ServedTeacher(cfg.teacher.vllm, model_dir, max_len=cfg.rollout.max_len, batch_size=batch_size,
+                       topk=cfg.loss.topk if cfg.loss.kind == "topk_rkl" else 0, vocab_size=vocab_size,
+                       out_dir=out_dir)
 
 
 def describe_config(rcfg) -> str:

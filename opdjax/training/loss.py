@@ -111,7 +111,7 @@ def served_terms(logits_s, teacher: dict, targets, cfg: LossConfig) -> dict[str,
     inside = jnp.sum(jnp.exp(lps_k) * (lps_k - lpt_k), axis=-1)
     in_s = jnp.put_along_axis(jnp.zeros(logp_s.shape, bool), ids, True, axis=-1, inplace=False)
     tail_s = jax.nn.logsumexp(jnp.where(in_s, -jnp.inf, logp_s), axis=-1)
-    tail_t = jnp.log(jnp.maximum(_mass_outside(lpt_k), TAIL_FLOOR))
+    tail_t = jnp.log(jnp.maximum(mass_outside(lpt_k), TAIL_FLOOR))
     present = jnp.isfinite(tail_s)
     tail_s = jnp.where(present, tail_s, 0.0)
     term = inside + jnp.where(present, jnp.exp(tail_s) * (tail_s - tail_t), 0.0)
@@ -123,7 +123,7 @@ def served_terms(logits_s, teacher: dict, targets, cfg: LossConfig) -> dict[str,
           "trainer_logprobs": lp_s, "teacher_logprobs": lp_t}
 
 
-def _mass_outside(logp_k):
+def mass_outside(logp_k):
   """1 - sum(exp(logp_k)) over the last axis without cancellation: -expm1 of the top-K's logsumexp, whose
   log(1 + the others' share) comes from log1p (a peaked teacher's tail of 1e-5 keeps its digits in fp32)."""
   top = jnp.max(logp_k, axis=-1, keepdims=True)

