@@ -136,9 +136,9 @@ class VllmClient:
                       f" {auth.TOKEN_ENV} in its environment and `--middleware {auth.__name__}.TokenAuthMiddleware`"
                       " (the sidecar command opdjax prints has both).")
 
-  def info(self) -> ServerInfo:
-    """Fails early on an open server beyond loopback, a wrong key or token, a server without dev
-    mode, or one reporting the wrong log-probs."""
+  def config(self) -> dict:
+    """The server's config (`/server_info`'s vllm_config, JSON); fails early on an open server beyond
+    loopback, a wrong key or token, or a server without dev mode."""
     self._check_guarded()
     try:
       status, payload = http_json(self.url + "/v1/models", bearer=self.bearer, timeout=30.0)
@@ -154,7 +154,11 @@ class VllmClient:
                       " /collective_rpc (weight sync) and /server_info endpoints. Restart it with that variable set.")
     if status != 200 or not isinstance(info, dict):
       raise VllmError(f"GET {self.url}/server_info answered HTTP {status}: {error_message(info)}")
-    config = info.get("vllm_config", {})
+    return info.get("vllm_config", {})
+
+  def info(self) -> ServerInfo:
+    """`config()`'s checks, and a server reporting the log-probs rollouts need."""
+    config = self.config()
     model, scheduler = config.get("model_config", {}), config.get("scheduler_config", {})
     mode = model.get("logprobs_mode")
     if mode != LOGPROBS_MODE:
@@ -183,7 +187,17 @@ class VllmClient:
 
   def complete(self, prompt: list[int], fields: dict) -> tuple[list[int], list[float]]:
     """(completion token ids, their log-probs) for one token-id prompt."""
-    body = {"prompt": prompt, **fields, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    payload = self.completions({"prompt": prompt, **fields, "return_token_ids": True,
+                                "return_tokens_as_token_ids": True})
+    try:
+      choice = payload["choices"][0]
+      return [int(t) for t in choice["token_ids"]], choice["logprobs"]["token_logprobs"]
+    except (KeyError, IndexError, TypeError) as e:
+      raise VllmError(f"vLLM answered a completion without token ids and log-probs ({e!r}); opdjax needs"
+                      " vLLM >= 0.32 (return_token_ids, logprobs_mode).") from e
+
+  def completions(self, body: dict):
+    """The JSON answer of `POST /v1/completions` with `body` (HTTP 200)."""
     for _ in range(self.max_retries + 1):
       try:
         status, payload = http_json(self.url + "/v1/completions", body, bearer=self.bearer,
@@ -197,12 +211,7 @@ class VllmClient:
           raise ServerDown(f"{type(e).__name__}: {e}") from e
         raise
       if status == 200:
-        try:
-          choice = payload["choices"][0]
-          return [int(t) for t in choice["token_ids"]], choice["logprobs"]["token_logprobs"]
-        except (KeyError, IndexError, TypeError) as e:
-          raise VllmError(f"vLLM answered a completion without token ids and log-probs ({e!r}); opdjax needs"
-                          " vLLM >= 0.32 (return_token_ids, logprobs_mode).") from e
+        return payload
       if status == 401:
         raise self._refused()
       if status >= 500 and not self.healthy():

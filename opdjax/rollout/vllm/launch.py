@@ -30,20 +30,25 @@ from opdjax.rollout.vllm.weights import check_shared, write_folder
 INIT = "vllm-init"  # OUT/vllm-init: the weights the servers started here start from
 
 
+def check_base_url(url: str, field: str = "rollout.vllm.url(s)") -> None:
+  """`url` (given in `field`) is a server's base URL, http(s)://HOST:PORT."""
+  parts = urllib.parse.urlsplit(url)
+  try:
+    port = parts.port
+  except ValueError:
+    port = -1
+  if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.path.strip("/"):
+    raise UserError(f"{field} {url!r} is not a server's base URL; give http://HOST:PORT (no path),"
+                    " e.g. http://127.0.0.1:8000.")
+
+
 def check_attached(urls: Sequence[str], api_key: str = "") -> None:
   """Every attached server's URL is a base URL, and the server answers as opdjax needs
   (`VllmClient.info`: reachable, key or sidecar token accepted, dev mode, processed log-probs). One
   attached without a sidecar token is allowed on loopback only (the client refuses it beyond), with a
   warning: its dev routes answer any local user."""
   for url in urls:
-    parts = urllib.parse.urlsplit(url)
-    try:
-      port = parts.port
-    except ValueError:
-      port = -1
-    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.path.strip("/"):
-      raise UserError(f"rollout.vllm.url(s) {url!r} is not a server's base URL; give http://HOST:PORT (no path),"
-                      " e.g. http://127.0.0.1:8000.")
+    check_base_url(url)
     try:
       VllmClient(url, api_key=api_key or None).info()
     except ServerDown as e:
@@ -86,17 +91,19 @@ def init_folder(params, cfg: ModelConfig, out_dir: str, *, untie: bool) -> str:
 
 
 def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out_dir: str, index: int | None = None,
-                     host: str = "127.0.0.1", port: int | None = None, gpu: bool | None = None,
-                     mint_token: bool = True) -> VllmServer:
+                     host: str = "127.0.0.1", port: int | None = None, gpu: bool | None = None, name: str = "vllm",
+                     extra_args: Sequence[str] = (), mint_token: bool = True) -> VllmServer:
   """The server `rollout.vllm` describes, serving `model_dir` (not started). `index`: the i-th of
   `num_servers` (its own log, its own GPUs out of `vcfg.gpus`, `tensor_parallel_size` each). The step
   budget (--max-num-batched-tokens, opdjax.rollout.vllm.gpu_defaults): on CPU a whole batch of
   `batch_size` requests of up to `max_len` tokens, so a batch's prefills are never split (fatal on CPU
   with seeds) nor sent in waves; on a GPU a bounded budget that chunked prefill fills. `gpu`: the server
-  runs on a GPU (None: it has `rollout.vllm.gpus`, or this machine has GPUs). Every server opdjax starts
-  checks the job's sidecar token on every route, loopback included (auth.job_token); `mint_token=False`:
-  only the environment's (a command printed for other hosts' launchers, which export the job's token)."""
-  extra = (*recipe.server_args(vcfg, model_dir), *shlex.split(vcfg.extra_args))
+  runs on a GPU (None: it has `rollout.vllm.gpus`, or this machine has GPUs). `name`: its log is
+  OUT/NAME.log (OUT/NAME-I.log); `extra_args`: flags of the caller's, before the recipe's and `vcfg.extra_args`
+  (which override them). Every server opdjax starts checks the job's sidecar token on every route, loopback
+  included (auth.job_token); `mint_token=False`: only the environment's (a command printed for other hosts'
+  launchers, which export the job's token)."""
+  extra = (*extra_args, *recipe.server_args(vcfg, model_dir), *shlex.split(vcfg.extra_args))
   tag = "" if index is None else f"-{index}"
   gpus = vcfg.gpu_ids
   on_gpu = (bool(gpus) or gpu_capabilities() is not None) if gpu is None else gpu
@@ -120,7 +127,7 @@ def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out
       max_num_batched_tokens=gpu_defaults.max_num_batched_tokens(batch_size, max_len, on_gpu),
       enforce_eager=vcfg.enforce_eager,
       api_key=vcfg.api_key or None, python=vcfg.python or None, extra_args=extra,
-      log_path=os.path.join(out_dir, f"vllm{tag}.log"), env=env,
+      log_path=os.path.join(out_dir, f"{name}{tag}.log"), env=env,
       token=auth.job_token(vcfg.api_key) if mint_token else None, **pin)
 
 
