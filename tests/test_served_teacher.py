@@ -67,12 +67,41 @@ def test_served_teacher_steps_equal_the_trainer_teachers_within_1e_4(tmp_path):
 
   require_vllm()
   common = {"train.steps": 10, "train.eval_every": 5, "task.num_eval": 32, "train.checkpoint_every": 0}
-  served = train(_cfg(**common), str(tmp_path / "served"), progress=False)
-  trainer = train(_cfg(**common, **{"teacher.serve": "trainer"}), str(tmp_path / "trainer"), progress=False)
-  del served, trainer
+  train(_cfg(**common, **{"teacher.check_every": 5}), str(tmp_path / "served"), progress=False)
+  train(_cfg(**common, **{"teacher.serve": "trainer"}), str(tmp_path / "trainer"), progress=False)
   a, b = _losses(tmp_path / "served"), _losses(tmp_path / "trainer")
   assert len(a) == len(b) == 10
   assert max(abs(x) for x in b) > 1e-2  # a loss with a value to compare
+  worst = max(abs(x / y - 1) for x, y in zip(a, b))
+  print(f"served vs trainer teacher, 10 steps: max relative loss difference {worst:.2e}")
   np.testing.assert_allclose(a, b, rtol=1e-4)
   assert (tmp_path / "served" / "vllm-teacher.log").exists()
   assert not (tmp_path / "trainer" / "vllm-teacher.log").exists()
+  # teacher.check_every=5: the fp32 server against the same teacher in fp32 here, at steps 5 and 10 only.
+  checks = [r for r in _records(tmp_path / "served") if "teacher_mismatch_abs_max" in r]
+  assert [r["step"] for r in checks] == [5, 10]
+  assert all(r["teacher_mismatch_abs_max"] < 1e-4 for r in checks), checks
+
+
+def _records(out) -> list[dict]:
+  return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_bf16_served_teacher_shows_its_deviation_in_the_metrics(tmp_path):
+  """The supervision's own mismatch: a bf16 server's log-probs against the fp32 teacher, every step, with
+  the top-K overlap and KL (topk_rkl, K = 4)."""
+  from helpers import require_vllm
+
+  from opdjax.pipeline.run import train
+
+  require_vllm()
+  train(_cfg(**{"train.steps": 2, "train.eval_every": 5, "task.num_eval": 32, "train.checkpoint_every": 0,
+                "teacher.check_every": 1, "teacher.vllm.dtype": "bfloat16", "loss.kind": "topk_rkl", "loss.topk": 4}),
+        str(tmp_path / "bf16"), progress=False)
+  checks = [r for r in _records(tmp_path / "bf16") if "teacher_mismatch_abs_max" in r]
+  assert [r["step"] for r in checks] == [1, 2]
+  for r in checks:
+    assert r["teacher_mismatch_abs_max"] > 1e-3 and r["teacher_mismatch_abs_mean"] > 1e-4
+    assert 0.5 < r["teacher_mismatch_topk_overlap"] <= 1.0 and r["teacher_mismatch_topk_kl"] > 0

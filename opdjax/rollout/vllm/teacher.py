@@ -73,7 +73,9 @@ class ServedTeacher:
           server.start()
         urls = [server.url for server in self.servers]
       self.urls = [u.rstrip("/") for u in urls]
-      self.clients = [VllmClient(u, api_key=vcfg.api_key or None) for u in self.urls]
+      # A server started here checks its own token (the job's); an attached one, the environment's.
+      self.clients = [VllmClient(u, api_key=vcfg.api_key or None, token=None if srv is None else srv.token or "")
+                      for u, srv in zip(self.urls, self.servers, strict=True)]
       for client in self.clients:
         self._check(client)
     except BaseException:
@@ -83,29 +85,12 @@ class ServedTeacher:
       self._pool = cf.ThreadPoolExecutor(len(self.clients), thread_name_prefix=f"opdjax-{name}")
 
   def _check(self, client: VllmClient) -> None:
-    who = f"the {self.name} server at {client.url}"
-    try:
-      model = client.config().get("model_config", {})
-    except ServerDown as e:
-      raise UserError(f"no vLLM server answers at {client.url} for the {self.name} ({e}); start it first, or leave"
-                      f" {self.name}.vllm.url(s) empty so that opdjax starts one.") from None
-    mode, limit, max_model_len = model.get("logprobs_mode"), model.get("max_logprobs"), model.get("max_model_len")
-    if mode in UNNORMALISED_MODES:
-      raise UserError(f"{who} runs with --logprobs-mode {mode}, whose prompt log-probs are unnormalised logits;"
-                      " restart it with --logprobs-mode processed_logprobs (or raw_logprobs).")
-    limit = self.vocab_size if limit == -1 else limit
-    if not isinstance(limit, int) or limit < max(self.topk, 1):
-      raise UserError(f"{who} allows {limit} log-probs per position (--max-logprobs) but the {self.name}'s"
-                      f" top-K is {self.topk}: restart it with --max-logprobs {max(self.topk, 1)} or more, or lower K.")
-    if isinstance(max_model_len, int) and max_model_len < self.max_len + 1:
-      raise UserError(f"{who} has max_model_len={max_model_len}; scoring sequences of up to {self.max_len} tokens"
-                      f" needs {self.max_len + 1} (one generated token): restart it with --max-model-len"
-                      f" {self.max_len + 1}.")
+    check_server(client, self.name, topk=self.topk, max_len=self.max_len)
     theirs = self._probe_vocab(client)
     if theirs != self.vocab_size:
-      raise UserError(f"{who} has a vocabulary of {theirs} tokens, the student's {self.vocab_size}: a teacher server"
-                      " whose vocabulary differs from the student's cannot score the student's tokens; serve a"
-                      " teacher with the student's tokenizer and vocabulary.")
+      raise UserError(f"the {self.name} server at {client.url} has a vocabulary of {theirs} tokens, the student's"
+                      f" {self.vocab_size}: a teacher server whose vocabulary differs from the student's cannot score"
+                      " the student's tokens; serve a teacher with the student's tokenizer and vocabulary.")
 
   def _probe_vocab(self, client: VllmClient) -> int | str:
     """The server's vocabulary size: `vocab_size` when it takes id V - 1 and refuses id V in
@@ -203,6 +188,36 @@ class ServedTeacher:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def check_teacher_servers(urls, api_key: str = "", *, topk: int, max_len: int, name: str = "teacher") -> None:
+  """The start-up checks of attached teacher servers that need no model (opdjax.rollout.deploy.plan, before
+  anything is written): base URLs, reachable with the job's token or key, dev mode, normalised prompt
+  log-probs, `--max-logprobs` >= K, room for `max_len` tokens. The vocabulary is checked when the served
+  teacher starts (ServedTeacher), against the student's."""
+  for url in urls:
+    check_base_url(url, f"{name}.vllm.url(s)")
+    check_server(VllmClient(url, api_key=api_key or None), name, topk=topk, max_len=max_len)
+
+
+def check_server(client: VllmClient, name: str, *, topk: int, max_len: int) -> None:
+  """One teacher server answers as scoring needs (see `check_teacher_servers`); one UserError naming it."""
+  who = f"the {name} server at {client.url}"
+  try:
+    model = client.config().get("model_config", {})
+  except ServerDown as e:
+    raise UserError(f"no vLLM server answers at {client.url} for the {name} ({e}); start it first, or leave"
+                    f" {name}.vllm.url(s) empty so that opdjax starts one. Nothing was written.") from None
+  mode, limit, max_model_len = model.get("logprobs_mode"), model.get("max_logprobs"), model.get("max_model_len")
+  if mode in UNNORMALISED_MODES:
+    raise UserError(f"{who} runs with --logprobs-mode {mode}, whose prompt log-probs are unnormalised logits;"
+                    " restart it with --logprobs-mode processed_logprobs (or raw_logprobs).")
+  if limit != -1 and (not isinstance(limit, int) or limit < max(topk, 1)):
+    raise UserError(f"{who} allows {limit} log-probs per position (--max-logprobs) but the {name}'s top-K is"
+                    f" {topk} (loss.topk): restart it with --max-logprobs {max(topk, 1)} or more, or lower K.")
+  if isinstance(max_model_len, int) and max_model_len < max_len + 1:
+    raise UserError(f"{who} has max_model_len={max_model_len}; scoring sequences of up to {max_len} tokens needs"
+                    f" {max_len + 1} (one generated token): restart it with --max-model-len {max_len + 1}.")
 
 
 def parse_answer(payload, seqs, starts, *, url: str, topk: int, vocab_size: int, name: str = "teacher"):
