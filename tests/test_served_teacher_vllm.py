@@ -148,7 +148,7 @@ def test_a_connection_error_is_retried_a_bounded_number_of_times(monkeypatch):
 
 @pytest.mark.parametrize(("kw", "match"), [
     ({"model": {"logprobs_mode": "raw_logits"}}, "--logprobs-mode raw_logits, whose prompt log-probs are unnormalised"),
-    ({"model": {"max_logprobs": 2}}, r"allows 2 log-probs per position .* top-K is 3 \(loss.topk\): restart it with --max-logprobs"),
+    ({"model": {"max_logprobs": 2}}, r"allows 2 log-probs per position .* top-K is 3 \(loss.topk\): restart it with"),
     ({"model": {"max_model_len": 24}}, "restart it with --max-model-len 25"),
     ({"server_vocab": 40}, f"has a vocabulary of more than {V} tokens, the student's {V}: a teacher server whose"),
     ({"server_vocab": 20}, f"has a vocabulary of 20 tokens, the student's {V}"),
