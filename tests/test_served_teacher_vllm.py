@@ -94,7 +94,7 @@ class FakeClient:
 def fake_teacher(monkeypatch, *, urls=URL, server_vocab=V, topk=3, vocab_size=V, **client_kw):
   clients = []
 
-  def make(url, api_key=None):
+  def make(url, api_key=None, token=None):
     clients.append(FakeClient(url, **client_kw))
     return clients[-1]
 
