@@ -34,9 +34,10 @@ from opdjax.rollout.base import RolloutEngine
 from opdjax.rollout.cores import CoreSplit, allowed_cpus, format_cpus, parse_cpus
 from opdjax.rollout.jax.cache import EngineCache
 from opdjax.rollout.jax.engine import JaxEngine
+from opdjax.rollout.vllm import gpu_defaults
 from opdjax.rollout.vllm.capability import check_fp8, gpu_capabilities
 from opdjax.rollout.vllm.engine import VllmEngineBase
-from opdjax.rollout.vllm.launch import check_attached, init_folder, make_vllm_engine, untied_head
+from opdjax.rollout.vllm.launch import check_attached, init_folder, make_vllm_engine, server_on_gpu, untied_head
 from opdjax.rollout.vllm.primary import PrimaryEngine
 
 KINDS = ("jax", "vllm")
@@ -45,7 +46,8 @@ KINDS = ("jax", "vllm")
 @dataclasses.dataclass(frozen=True)
 class Deployment:
   """`kind`: the engine (rollout.engine). `rollout`: its config, `rollout.vllm.cpus` filled in with the
-  split's server cores. `cores`: a disaggregated engine's cores and the trainer's, or None (nothing
+  split's server cores, an 'auto' dtype and CUDA graphs of the servers started here resolved
+  (`resolve_servers`). `cores`: a disaggregated engine's cores and the trainer's, or None (nothing
   pinned). `trainer_devices` / `engine_devices`: this host's devices of the trainer's mesh and of the
   asynchronous JAX engine when `rollout.devices` gives it its own (None: every device / not chosen).
   `attached`: running vLLM servers attached to (() when opdjax starts its own). `engine_here`: this
@@ -148,11 +150,25 @@ def prepare_process(cfg) -> None:
     apply_before_jax(_shared_utilization(cfg.rollout)[1])
 
 
+def resolve_servers(cfg):
+  """`cfg` with `rollout.vllm`'s 'auto' dtype and CUDA graphs chosen for the servers opdjax starts
+  (gpu_defaults.resolve: bf16 and graphs on a GPU, fp32 and eager on CPU; on a GPU as
+  launch.server_on_gpu says). A JAX engine's section and attached servers keep 'auto': an attached
+  server runs what it was started with (the engine reads its dtype from it). `opdjax train` records the
+  resolved config, so a resumed run compares what its servers ran; `plan` calls it too (a no-op then)."""
+  r = cfg.rollout
+  v = r.vllm
+  if r.engine != "vllm" or v.attached or (v.dtype != gpu_defaults.AUTO and v.enforce_eager is not None):
+    return cfg
+  v = gpu_defaults.resolve(v, server_on_gpu(v))
+  return dataclasses.replace(cfg, rollout=dataclasses.replace(r, vllm=v))
+
+
 def plan(cfg) -> Deployment:
   """The run's Deployment, after every start-up check that needs neither models nor an output folder
   (see the module doc). Call it before JAX starts where it can: an asynchronous JAX engine on CPU
   gets a host device of its own."""
-  r = cfg.rollout
+  r = resolve_servers(cfg).rollout  # every later reader of rollout.vllm.dtype / enforce_eager sees the server's
   if r.engine not in KINDS:
     raise UserError(f"rollout.engine={r.engine!r}; choose one of {', '.join(repr(k) for k in KINDS)}.")
   jax_async = r.engine == "jax" and bool(r.async_depth)
