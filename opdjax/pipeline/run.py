@@ -27,7 +27,7 @@ from opdjax.pipeline.guard import GuardHook, load_run_budget
 from opdjax.pipeline.loop import Loop, run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
 from opdjax.pipeline.session import Session
-from opdjax.rollout.deploy import check_memory, plan
+from opdjax.rollout.deploy import check_memory, plan, resolve_servers
 from opdjax.views.view import EngineView
 
 # Keys a resumed run may change: they extend it (more steps) or only observe it.
@@ -38,6 +38,10 @@ RESUMABLE = ("train.steps", "train.eval_every", "train.checkpoint_every", "train
              "rollout.vllm.num_servers", "rollout.vllm.gpus",
              "mismatch.", "sensitivity.", "prefix_shift.", "calibrate.", "admit.",
              "mesh.")  # a checkpoint restores into any mesh and process count
+# The server settings a section keeps as 'auto' (None) when opdjax starts no server from it (the JAX engine,
+# attached servers: deploy.resolve_servers): nothing ran with them, so they match any value.
+UNRESOLVED = {"rollout.vllm.dtype": "auto", "rollout.vllm.enforce_eager": None, "teacher.vllm.dtype": "auto",
+              "teacher.vllm.enforce_eager": None}
 
 
 @dataclasses.dataclass
@@ -64,7 +68,8 @@ def config_changes(old: dict, new: dict) -> tuple[dict, dict]:
   defaults = flat(Config().to_dict())
   # A key newer than the checkpoint, at its default, is what the run did before the key existed.
   diff = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-          if a.get(k) != b.get(k) and not (k not in a and b.get(k) == defaults.get(k))}
+          if a.get(k) != b.get(k) and not (k not in a and b.get(k) == defaults.get(k))
+          and not (k in UNRESOLVED and UNRESOLVED[k] in (a.get(k), b.get(k)))}
   allowed = {k: v for k, v in diff.items() if k in RESUMABLE or k.startswith(tuple(p for p in RESUMABLE
                                                                                    if p.endswith(".")))}
   return {k: v for k, v in diff.items() if k not in allowed}, allowed
@@ -75,6 +80,7 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
   """OPD for `cfg.train.steps` steps into `out_dir`. `resume`: auto (resume when out_dir has a
   checkpoint), require (error if it has none) or never. `fallback`: when the latest checkpoint cannot
   be restored, use the previous good one."""
+  cfg = resolve_servers(cfg)  # the servers' dtype and CUDA graphs as they will run: recorded, and resumes compare them
   ckpt_dir = os.path.join(out_dir, "checkpoints")
   ours = is_run_dir(out_dir)
   check_out_dir(out_dir, "train", overwrite, own=ours)

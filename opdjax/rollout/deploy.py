@@ -34,9 +34,10 @@ from opdjax.rollout.base import RolloutEngine
 from opdjax.rollout.cores import CoreSplit, allowed_cpus, format_cpus, parse_cpus
 from opdjax.rollout.jax.cache import EngineCache
 from opdjax.rollout.jax.engine import JaxEngine
+from opdjax.rollout.vllm import gpu_defaults
 from opdjax.rollout.vllm.capability import check_fp8, gpu_capabilities
 from opdjax.rollout.vllm.engine import VllmEngineBase
-from opdjax.rollout.vllm.launch import check_attached, init_folder, make_vllm_engine, untied_head
+from opdjax.rollout.vllm.launch import check_attached, init_folder, make_vllm_engine, server_on_gpu, untied_head
 from opdjax.rollout.vllm.primary import PrimaryEngine
 
 KINDS = ("jax", "vllm")
@@ -45,14 +46,16 @@ KINDS = ("jax", "vllm")
 @dataclasses.dataclass(frozen=True)
 class Deployment:
   """`kind`: the engine (rollout.engine). `rollout`: its config, `rollout.vllm.cpus` filled in with the
-  split's server cores. `cores`: a disaggregated engine's cores and the trainer's, or None (nothing
+  split's server cores, an 'auto' dtype and CUDA graphs of the servers started here resolved
+  (`resolve_servers`). `cores`: a disaggregated engine's cores and the trainer's, or None (nothing
   pinned). `trainer_devices` / `engine_devices`: this host's devices of the trainer's mesh and of the
   asynchronous JAX engine when `rollout.devices` gives it its own (None: every device / not chosen).
   `attached`: running vLLM servers attached to (() when opdjax starts its own). `engine_here`: this
   process drives the engine (a vLLM engine lives in process 0 only). `processes`: the trainer's.
   `teacher_on_engine`: the engine's process scores the teacher (rollout.teacher_scoring='engine').
-  `teacher_served`: the teacher's own vLLM servers score every rollout (teacher.serve='vllm'), started
-  here (`serve_teacher`) or attached (`teacher_attached`)."""
+  `teacher_vllm`: the teacher's own vLLM servers score every rollout (teacher.serve='vllm'; None: the
+  trainer holds the teacher): its section, resolved as the servers run (`serve_teacher` starts them, or
+  attaches to its `attached` URLs)."""
 
   kind: str
   rollout: object
@@ -63,8 +66,11 @@ class Deployment:
   engine_here: bool = True
   processes: int = 1
   teacher_on_engine: bool = False
-  teacher_served: bool = False
-  teacher_attached: tuple[str, ...] = ()
+  teacher_vllm: object = None
+
+  @property
+  def teacher_served(self) -> bool:
+    return self.teacher_vllm is not None
 
   @property
   def one_engine(self) -> bool:
@@ -152,10 +158,29 @@ def prepare_process(cfg) -> None:
     apply_before_jax(_shared_utilization(cfg.rollout)[1])
 
 
+def resolve_servers(cfg):
+  """`cfg` with the 'auto' dtype and CUDA graphs of `rollout.vllm` and `teacher.vllm` chosen for the servers
+  opdjax starts from them (gpu_defaults.resolve: bf16 and graphs on a GPU, fp32 and eager on CPU; on a GPU
+  as launch.server_on_gpu says). A section no server is started from (the JAX engine's, the trainer's
+  teacher, attached servers) keeps 'auto': an attached server runs what it was started with. `opdjax train`
+  records the resolved config, so a resumed run compares what its servers ran; `plan` calls it too (a
+  no-op then)."""
+
+  def resolved(v, starts_servers: bool):
+    if not starts_servers or v.attached or (v.dtype != gpu_defaults.AUTO and v.enforce_eager is not None):
+      return v
+    return gpu_defaults.resolve(v, server_on_gpu(v))
+
+  r, t = cfg.rollout, cfg.teacher
+  return dataclasses.replace(cfg, rollout=dataclasses.replace(r, vllm=resolved(r.vllm, r.engine == "vllm")),
+                             teacher=dataclasses.replace(t, vllm=resolved(t.vllm, t.serve == "vllm")))
+
+
 def plan(cfg) -> Deployment:
   """The run's Deployment, after every start-up check that needs neither models nor an output folder
   (see the module doc). Call it before JAX starts where it can: an asynchronous JAX engine on CPU
   gets a host device of its own."""
+  cfg = resolve_servers(cfg)  # every later reader of a section's vllm.dtype / enforce_eager sees the server's
   r = cfg.rollout
   if r.engine not in KINDS:
     raise UserError(f"rollout.engine={r.engine!r}; choose one of {', '.join(repr(k) for k in KINDS)}.")
@@ -180,19 +205,18 @@ def plan(cfg) -> Deployment:
     else:  # servers started here: FP8 needs FP8 GPUs
       v = r.vllm
       check_fp8(v.quantization or ("fp8" if v.recipe else ""), v.kv_cache_dtype, gpu_capabilities(v.gpus))
-  served, teacher_attached = _plan_teacher(cfg, processes)
   return Deployment(r.engine, r, cores, None if trainer_devices is None else tuple(trainer_devices),
                     None if own_devices is None else tuple(own_devices), attached, engine_here, processes,
-                    r.teacher_scoring == "engine", served, teacher_attached)
+                    r.teacher_scoring == "engine", _plan_teacher(cfg, processes))
 
 
-def _plan_teacher(cfg, processes: int) -> tuple[bool, tuple[str, ...]]:
-  """(teacher served, the teacher servers attached to), after the checks that need no model: one trainer
-  process (its servers would otherwise start in every process), the attached servers' URLs and log-prob
-  mode and limit, FP8 on FP8 GPUs for servers started here."""
+def _plan_teacher(cfg, processes: int):
+  """`teacher.vllm` when the teacher is served (None otherwise), after the checks that need no model: one
+  trainer process (its servers would otherwise start in every process), the attached servers' URLs,
+  log-prob mode and limit, FP8 on FP8 GPUs for servers started here."""
   t = cfg.teacher
   if t.serve != "vllm":
-    return False, ()
+    return None
   if processes > 1:
     raise UserError(f"teacher.serve='vllm' with {processes} trainer processes: the served teacher is scored from one"
                     " trainer process today; run one process (its mesh over this host's devices), or"
@@ -205,7 +229,7 @@ def _plan_teacher(cfg, processes: int) -> tuple[bool, tuple[str, ...]]:
                           max_len=cfg.rollout.max_len)
   else:
     check_fp8(v.quantization or ("fp8" if v.recipe else ""), v.kv_cache_dtype, gpu_capabilities(v.gpus))
-  return True, v.attached
+  return v
 
 
 def serve_teacher(d: Deployment, cfg, model_dir: str, *, vocab_size: int, batch_size: int, out_dir: str):
@@ -215,7 +239,7 @@ def serve_teacher(d: Deployment, cfg, model_dir: str, *, vocab_size: int, batch_
 
   if not d.teacher_served:
     raise ValueError("this Deployment scores the teacher in the trainer (teacher.serve='trainer').")
-  return ServedTeacher(cfg.teacher.vllm, model_dir, max_len=cfg.rollout.max_len, batch_size=batch_size,
+  return ServedTeacher(d.teacher_vllm, model_dir, max_len=cfg.rollout.max_len, batch_size=batch_size,
                        topk=cfg.loss.topk if cfg.loss.kind == "topk_rkl" else 0, vocab_size=vocab_size,
                        out_dir=out_dir)
 

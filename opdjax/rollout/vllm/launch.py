@@ -69,6 +69,12 @@ def untied_head(vcfg, cfg: ModelConfig) -> bool:
   return cfg.tie_word_embeddings and gpu_capabilities(vcfg.gpus) is None
 
 
+def server_on_gpu(vcfg) -> bool:
+  """The servers `vcfg` describes run on a GPU: they have `rollout.vllm.gpus` of their own, or this
+  machine has GPUs (nvidia-smi answers)."""
+  return bool(vcfg.gpu_ids) or gpu_capabilities() is not None
+
+
 def servers_load_together(vcfg) -> bool:
   """The servers opdjax starts may load at the same time: on CPU (each has its own KV cache space),
   or on GPUs of their own (`rollout.vllm.gpus`). Servers sharing a GPU start one after another, as
@@ -98,15 +104,17 @@ def make_vllm_server(vcfg, model_dir: str, *, max_len: int, batch_size: int, out
   budget (--max-num-batched-tokens, opdjax.rollout.vllm.gpu_defaults): on CPU a whole batch of
   `batch_size` requests of up to `max_len` tokens, so a batch's prefills are never split (fatal on CPU
   with seeds) nor sent in waves; on a GPU a bounded budget that chunked prefill fills. `gpu`: the server
-  runs on a GPU (None: it has `rollout.vllm.gpus`, or this machine has GPUs). `name`: its log is
+  runs on a GPU (None: `server_on_gpu`), which settles an 'auto' dtype and CUDA graphs here as
+  opdjax.rollout.deploy.plan did (gpu_defaults.resolve; a no-op on its Deployment). `name`: its log is
   OUT/NAME.log (OUT/NAME-I.log); `extra_args`: flags of the caller's, before the recipe's and `vcfg.extra_args`
   (which override them). Every server opdjax starts checks the job's sidecar token on every route, loopback
   included (auth.job_token); `mint_token=False`: only the environment's (a command printed for other hosts'
   launchers, which export the job's token)."""
+  on_gpu = server_on_gpu(vcfg) if gpu is None else gpu
+  vcfg = gpu_defaults.resolve(vcfg, on_gpu)
   extra = (*extra_args, *recipe.server_args(vcfg, model_dir), *shlex.split(vcfg.extra_args))
   tag = "" if index is None else f"-{index}"
   gpus = vcfg.gpu_ids
-  on_gpu = (bool(gpus) or gpu_capabilities() is not None) if gpu is None else gpu
   # vLLM's caches (model-class inspection, torch.compile): under the VLLM_CACHE_ROOT the environment sets, so
   # runs share them as every vLLM does; else the run's own OUT/vllm-cache (never $HOME behind the user's
   # back). GPU servers each in a folder of their own (host and index): on a cluster's shared filesystem
@@ -191,8 +199,9 @@ def sidecar_command(cfg, model: str, port: int, tp: int, out_dir: str) -> list[s
   """`env ... vllm serve ...` of one GPU sidecar for `cfg` (what `opdjax launch sidecar` prints for
   launch/*.sh): the flags every server opdjax starts gets (token-id prompts, processed log-probs,
   dev-mode weight reload, the step budget for the config's batch and max_len), bound beyond
-  loopback (so guarded by the job's sidecar token), with CUDA graphs and no CPU-only settings."""
-  vcfg = dataclasses.replace(cfg.rollout.vllm, tensor_parallel_size=tp, gpus="", enforce_eager=False)
+  loopback (so guarded by the job's sidecar token), with a GPU's defaults (`gpu=True`: the config's 'auto'
+  resolves to bf16 and CUDA graphs, values set in the config are kept) and no CPU-only settings."""
+  vcfg = dataclasses.replace(cfg.rollout.vllm, tensor_parallel_size=tp, gpus="")
   server = make_vllm_server(vcfg, model, max_len=cfg.rollout.max_len, batch_size=cfg.rollout.batch_size,
                             out_dir=out_dir, host="0.0.0.0", port=port, gpu=True, mint_token=False)
   env = {**server.env, "VLLM_SERVER_DEV_MODE": "1"}

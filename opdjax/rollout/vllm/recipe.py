@@ -278,9 +278,9 @@ def check_config(vcfg, where: str = "rollout.vllm.recipe") -> Recipe:
   dtype (vLLM's online FP8 computes in bf16), flags the recipe sets given a second time."""
   recipe = load(vcfg.recipe, where)
   scheme(recipe, where)
-  if vcfg.dtype != "bfloat16":
+  if vcfg.dtype not in ("bfloat16", "auto"):  # auto: bf16 on the GPU FP8 needs (gpu_defaults.resolve)
     raise UserError(f"{where} with rollout.vllm.dtype={vcfg.dtype!r}: the recipe serves its unquantized layers in bf16"
-                    " and vLLM's online FP8 takes bf16 activations; set rollout.vllm.dtype=bfloat16.")
+                    " and vLLM's online FP8 takes bf16 activations; set rollout.vllm.dtype=bfloat16 (or auto).")
   for key, value in (("quantization", vcfg.quantization), ("kv_cache_dtype", vcfg.kv_cache_dtype)):
     if value:
       raise UserError(f"{where} sets the server's --quantization and --kv-cache-dtype; leave rollout.vllm.{key} empty"
