@@ -65,6 +65,12 @@ BUDGETS = {
 # The study's design beyond the config: calibration views added (noise doubled) until one fails
 # clearly, and prefix-shift replicates (seeds) for its intervals.
 EXTRA_VIEWS = {("addition", False): 2, ("addition", True): 1, ("smollm2", False): 2, ("smollm2", True): 1}
+# Calibration's run budget (training runs, views x seeds): the seeds of every view come from the clean
+# runs' spread (study_design.seeds_for_power after `calibrate.seeds` pilot runs), at most
+# RUN_BUDGET // (configured views + EXTRA_VIEWS) a view; the admission candidates train with as many.
+# Addition: 12 seeds a view at most (~8 s a 400-step run). SmolLM2: 2, the pilot's (~100 s a run on 2
+# cores: each seed more over 8 views and 7 candidates costs ~25 min, past the issue's 60-minute target).
+RUN_BUDGET = {("addition", False): 120, ("addition", True): 10, ("smollm2", False): 16, ("smollm2", True): 8}
 REPLICATES = {("addition", False): 3, ("addition", True): 2, ("smollm2", False): 3, ("smollm2", True): 2}
 CONFIGS = {"addition": None, "smollm2": os.path.join(ROOT, "configs", "smollm2_study.py")}
 STATEMENTS = {
@@ -104,24 +110,29 @@ def _script(name: str):
 
 # --- stages ------------------------------------------------------------------------------------
 
-def stage_calibrate(cfg, out: str, extra_views: int) -> dict:
+def stage_calibrate(cfg, out: str, extra_views: int, run_budget: int) -> dict:
   from opdjax.analyses import admission, study_design, verdicts
   from opdjax.pipeline.budget import load_budget
 
   path = os.path.join(out, "calibration", "budget.json")
+  max_seeds = run_budget // (len(_views(cfg.calibrate.views)) + extra_views)
   if os.path.exists(path):
     budget = load_budget(path)
   else:
-    max_runs = (len(_views(cfg.calibrate.views)) + extra_views) * cfg.calibrate.seeds
+    def power(clean, start):
+      return study_design.seeds_for_power(clean, start, cfg.calibrate.tolerance_sigmas, cfg.calibrate.seeds,
+                                          max_seeds)
+
     budget = admission.calibrate(cfg, os.path.dirname(path), extend=study_design.extend_until_failure,
-                                 max_runs=max_runs)
+                                 max_runs=run_budget, power=power)
   fit, ext = budget["fit"], budget["extension"]
-  v = verdicts.budget_bracket(budget["points"], fit, budget["start"], {"used": ext["runs"], "budget": ext["max_runs"]})
+  v = verdicts.budget_bracket(budget["points"], fit, budget["start"],
+                              {"used": ext["runs"], "budget": ext["max_runs"], "max_seeds": max_seeds})
   points = [{"view": p["view"], "mismatch": p["mismatch"], "ci": p["mismatch_ci"], "pass": p["pass"],
              **{f"{m}_median": float(np.median(p[m])) for m in fit["metrics"]}} for p in budget["points"]]
   return _claim(v, budget=budget["budget"], converged=budget["warning"] is None, warning=budget["warning"],
                 monotone=fit["monotone"], smallest_failing_mismatch=fit["smallest_failing_mismatch"],
-                tolerance=fit["tolerance"], extension=ext, points=points, budget_path=path,
+                tolerance=fit["tolerance"], extension=ext, power=budget["power"], points=points, budget_path=path,
                 pngs=[os.path.join("calibration", "budget.png")])
 
 
@@ -310,6 +321,8 @@ def run(args) -> dict:
       other = json.load(f)
   result = {"task": args.task, "mode": "quick" if args.quick else "full", "complete": False, "claims": {},
             "stages": {}, "budgets": dict(BUDGETS[(args.task, args.quick)]),
+            "design": {name: table[(args.task, args.quick)] for name, table in
+                       (("run_budget", RUN_BUDGET), ("extra_views", EXTRA_VIEWS), ("replicates", REPLICATES))},
             "config": os.path.relpath(CONFIGS[args.task], ROOT) if CONFIGS[args.task] else "the demo's (default)",
             "command": " ".join(["python", "scripts/reproduce.py", *(sys.argv[1:] if args.argv is None
                                                                     else args.argv)]),
@@ -340,7 +353,7 @@ def run(args) -> dict:
   kind = (args.task, args.quick)
   sens = stage("2", "sensitivity", stage_sensitivity)
   stage("4", "prefix_shift", stage_prefix_shift, REPLICATES[kind])
-  cal = stage("1", "calibrate", stage_calibrate, EXTRA_VIEWS[kind])
+  cal = stage("1", "calibrate", stage_calibrate, EXTRA_VIEWS[kind], RUN_BUDGET[kind])
   stage("5", "admission", stage_admission, cal["budget_path"], sens["recipe_weights"])
   result["complete"] = True
   write()

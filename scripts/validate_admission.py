@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     view = EngineView.parse(cand["view"])
     t0 = time.time()
     finals = [final_quality(train_run(runner, view, seed=cfg.seed + s, desc=f"{cand['name']} seed {s}"))
-              for s in range(c.seeds)]
+              for s in range(fit["seeds"])]  # as many seeds as the calibration's views had
     train_s = time.time() - t0
     row = {"name": cand["name"], "view": cand["view"], "mismatch": cand["mismatch"], "ci_high": cand["ci_high"],
            "verdict": cand["verdict"]}

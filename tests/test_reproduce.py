@@ -9,7 +9,7 @@ from opdjax.analyses import reporting
 
 COMMON = ("verdict", "label", "summary", "falsifier", "evidence", "pngs")  # from opdjax.analyses.verdicts
 FIELDS = {
-    "1": ("budget", "converged", "monotone", "points", "tolerance", "smallest_failing_mismatch", "extension"),
+    "1": ("budget", "converged", "monotone", "points", "tolerance", "smallest_failing_mismatch", "extension", "power"),
     "2": ("recipe_kl", "edge_kl", "heldout", "kv_tokens_ratio", "top_layers", "recipe_weights"),
     "4": ("views", "prefix_shift_zero_when_shared", "noise_floor", "replicates"),
     "5": ("agree", "total", "false_accepts", "accepts", "rows"),
@@ -42,6 +42,10 @@ def test_addition_quick_end_to_end(demo_cache, tmp_path, reproduce, capsys):
   assert {"clean", "weights=fp8", "weights=int8"} <= views
   # No view failed clearly, so the calibration spent its run budget doubling the top noise (0.5 -> 1.0).
   assert c1["extension"] == {"max_runs": 10, "runs": 10, "added": ["noise_sigma=1.0"]} and "noise_sigma=1.0" in views
+  # The seeds come from the clean pilot runs' spread, capped by the run budget (10 runs over 5 views: 2).
+  assert c1["power"]["pilot_seeds"] == 2 and c1["power"]["seeds"] == 2 and c1["evidence"]["seeds"] == 2
+  assert c1["power"]["rounds"][0]["max_seeds"] == 2 and c1["power"]["rounds"][0]["clean_seeds"] == 2
+  assert result["design"] == {"run_budget": 10, "extra_views": 1, "replicates": 2}
   # 7 candidates, each admitted and trained; the counts add up; three noise levels placed around the budget.
   c5 = result["claims"]["5"]
   assert c5["total"] == len(c5["rows"]) == 7

@@ -71,7 +71,10 @@ def test_claim1_inconclusive_without_learning_or_power_or_a_pass_below():
   assert "did not improve" in bracket([point("a", 0.1, 1.0), point("b", 1.0, 3.0)], start=1.01).reason
   # A tolerance floor (rel 0.6 of the clean 1.0) above half the 2.0 gain: underpowered.
   v = bracket([point("a", 0.1, 1.0), point("b", 1.0, 3.0)], rel=1.2)
-  assert v.outcome == "inconclusive" and "underpowered" in v.reason
+  assert v.outcome == "inconclusive" and v.label == "inconclusive (underpowered)" and "underpowered" in v.reason
+  points = [{"view": "clean", "mismatch": 0.0, "reverse_kl": CLEAN}, point("b", 1.0, 3.0)]
+  v = V.budget_bracket(points, fit_for(points, rel=1.2), {"reverse_kl": 3.0}, {"used": 6, "budget": 6, "max_seeds": 3})
+  assert "the run budget of 6 runs buys 3 a view" in v.reason, v.reason
   v = bracket([point("a", 0.1, 2.0), point("b", 1.0, 3.0)])
   assert v.outcome == "inconclusive" and v.label == "inconclusive (upper bound only)"
 
@@ -158,8 +161,36 @@ def test_study_design_extends_until_a_clear_failure_and_places_candidates_around
   failed = [*mild, point("noise_sigma=0.8", 0.9, 2.5)]
   assert study_design.extend_until_failure(failed, fit_for(failed)) is None
   fams = {"clean": "clean", "noise_sigma=0.4": "noise", "noise_sigma=0.8": "noise"}
-  budget = {"budget": 0.2, "points": [{**p, "family": fams[p["view"]], "pass": p["mismatch"] < 0.5} for p in failed]}
+  budget = {"budget": 0.2, "fit": fit_for(failed),
+            "points": [{**p, "family": fams[p["view"]], "pass": p["mismatch"] < 0.5} for p in failed]}
   lines = study_design.candidates("*>fp8_e4m3", 4, budget).splitlines()
   noise = {ln.split(":")[0]: float(ln.split("=")[1]) for ln in lines if ln.startswith("noise-")}
   assert noise == {"noise-below-0.28": 0.28, "noise-between-0.566": 0.566, "noise-beyond-1.2": 1.2}
   assert len(lines) == 7 and "lag2: lag=2" in lines
+  # A view failing by its median only (interval reaching the tolerance) does not place the failing side
+  # when a clearly failing one exists: the "beyond" candidate is 1.5x the clear failure.
+  fams["noise_sigma=0.6"] = "noise"
+  wobbly = {"view": "noise_sigma=0.6", "mismatch": 0.6, "reverse_kl": [0.9, 1.3, 1.5], "family": "noise", "pass": False}
+  budget["points"].insert(2, wobbly)
+  budget["fit"] = fit_for(budget["points"])
+  lines = study_design.candidates("*>fp8_e4m3", 4, budget).splitlines()
+  assert "noise-beyond-1.2: noise_sigma=1.2" in lines
+
+
+def test_seeds_for_power_come_from_the_clean_spread():
+  from opdjax.analyses import study_design
+
+  def seeds(clean, start=3.0, pilot=3, max_seeds=12, **extra):
+    return study_design.seeds_for_power({"reverse_kl": clean, **extra}, {"reverse_kl": start, "accuracy": 0.0},
+                                        3.0, pilot, max_seeds)
+
+  assert seeds(CLEAN)["seeds"] == 3  # a tight clean spread: the pilot's 3 seeds suffice (2 needed)
+  wide = [0.5, 1.0, 1.5]  # std 0.5, gain 2: n >= 2 * (2 * 3 * 0.5 / 2)^2 = 4.5
+  got = seeds(wide)
+  assert got["seeds"] == 5 and got["needed"] == {"reverse_kl": 5} and got["clean_std"]["reverse_kl"] == 0.5
+  assert seeds(wide, max_seeds=4)["seeds"] == 4  # the run budget caps it; the verdict then says underpowered
+  assert seeds(wide, start=0.5) == {"seeds": 3, "needed": {"reverse_kl": None}, "max_seeds": 12,
+                                    "clean_std": {"reverse_kl": 0.5}}  # no learning: no seeds help
+  # Accuracy improves upward; the most-needing metric decides (std 0.2, gain 0.4: 2 * 3^2 = 18).
+  got = seeds(CLEAN, accuracy=[0.2, 0.4, 0.6], max_seeds=20)
+  assert got["needed"] == {"reverse_kl": 2, "accuracy": 18} and got["seeds"] == 18

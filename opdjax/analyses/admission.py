@@ -122,9 +122,13 @@ def untrusted(points: list[dict], fit: dict, start: dict) -> str:
   return ""
 
 
-def calibrate(cfg: Config, out_dir: str, progress: bool = True, extend=None, max_runs: int | None = None) -> dict:
-  """`extend(points, fit) -> EngineView | None`: after the configured views, the next view to add
-  (None: stop), asked while fewer than `max_runs` training runs (views x seeds) have been spent."""
+def calibrate(cfg: Config, out_dir: str, progress: bool = True, extend=None, max_runs: int | None = None,
+              power=None) -> dict:
+  """`power(clean_point, start) -> {"seeds": n, ...}`: after the clean view's `calibrate.seeds` pilot
+  runs, the seed count every view gets (the clean view is topped up to n and asked again until n stops
+  growing; never fewer than the pilot's). `extend(points, fit) -> EngineView | None`: after the
+  configured views, the next view to add (None: stop), asked while fewer than `max_runs` training runs
+  (views x seeds) have been spent."""
   c = cfg.calibrate
   views, max_lag = parse_views(c.views, c.warmup_steps, "calibrate")
   require_clean(views, f"calibrate.views={c.views!r}")
@@ -138,32 +142,48 @@ def calibrate(cfg: Config, out_dir: str, progress: bool = True, extend=None, max
   cal = Calibration(session, c.warmup_steps, c.num_prompts, c.seed, max_lag)
   points, curves = [], {}
 
-  def add(view):
-    kl, mask = cal.kl_tokens(view)
-    mean, lo, hi = bootstrap_interval(kl, mask, cfg.admit.bootstrap, cfg.admit.confidence)
-    point = {"view": str(view), "family": family(view), "mismatch": mean, "mismatch_ci": [lo, hi],
-             "reverse_kl": [], "accuracy": [], "train_mismatch_kl_k3": []}
-    for s in range(c.seeds):  # seed s is the `opdjax train` run with seed=cfg.seed + s
+  def run_seeds(point, view, seeds):  # seeds len(point's runs) .. seeds-1; returns the step-0 quality
+    start = None
+    for s in range(len(point["reverse_kl"]), seeds):  # seed s is the `opdjax train` run with seed=cfg.seed + s
       records = train_run(session, view, seed=cfg.seed + s, desc=f"{view} seed {cfg.seed + s}")
       start = records[0]
       curves[f"{view}|{s}"] = records
       for k, v in final_quality(records).items():
         point[k].append(v)
       point["train_mismatch_kl_k3"].append(float(np.mean([r["mismatch_kl_k3_tok"] for r in records[1:]])))
-    points.append(point)
     return start
 
-  for view in progress_bar(views, desc="calibrate views", enabled=progress):
-    start = add(view)
-  fit = fit_budget(points, c.seeds, c.tolerance_sigmas, c.tolerance_rel)
+  def add(view, seeds):
+    kl, mask = cal.kl_tokens(view)
+    mean, lo, hi = bootstrap_interval(kl, mask, cfg.admit.bootstrap, cfg.admit.confidence)
+    point = {"view": str(view), "family": family(view), "mismatch": mean, "mismatch_ci": [lo, hi],
+             "reverse_kl": [], "accuracy": [], "train_mismatch_kl_k3": []}
+    points.append(point)
+    return run_seeds(point, view, seeds)
+
+  # The clean view first: its seeds' spread sets the seed count of every view (the power rule).
+  clean_view = next(v for v in views if str(v) == "clean")
+  seeds = c.seeds
+  start = add(clean_view, seeds)
+  rounds = []
+  while power is not None:
+    want = power(points[0], start)
+    rounds.append({"clean_seeds": seeds, **want})
+    if want["seeds"] <= seeds:
+      break
+    seeds = want["seeds"]
+    run_seeds(points[0], clean_view, seeds)
+  for view in progress_bar([v for v in views if str(v) != "clean"], desc="calibrate views", enabled=progress):
+    add(view, seeds)
+  fit = fit_budget(points, seeds, c.tolerance_sigmas, c.tolerance_rel)
   added = []
-  while extend is not None and (len(points) + 1) * c.seeds <= (max_runs or 0):
+  while extend is not None and (len(points) + 1) * seeds <= (max_runs or 0):
     view = extend(points, fit)
     if view is None or str(view) in {p["view"] for p in points}:
       break
-    add(view)
+    add(view, seeds)
     added.append(str(view))
-    fit = fit_budget(points, c.seeds, c.tolerance_sigmas, c.tolerance_rel)
+    fit = fit_budget(points, seeds, c.tolerance_sigmas, c.tolerance_rel)
   session.close()
   why = untrusted(points, fit, start)
   if why and not c.force:
@@ -174,7 +194,8 @@ def calibrate(cfg: Config, out_dir: str, progress: bool = True, extend=None, max
       "budget": fit["budget"],
       "scale": "token mean of exact KL(engine || trainer) on the calibration batch",
       "fit": fit, "points": points, "protocol": cal.protocol, "start": {m: start[m] for m in fit["metrics"]},
-      "extension": {"max_runs": max_runs, "runs": len(points) * c.seeds, "added": added},
+      "extension": {"max_runs": max_runs, "runs": len(points) * seeds, "added": added},
+      "power": {"pilot_seeds": c.seeds, "seeds": seeds, "rounds": rounds},
       "warning": why or None,
       "student_fingerprint": params_fingerprint(session.student_params),
       "config": cfg.to_dict(),

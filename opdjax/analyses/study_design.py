@@ -1,6 +1,7 @@
 """scripts/reproduce.py's design choices that give its verdicts power (opdjax.analyses.verdicts):
-which views extend the calibration until one fails, and which admission candidates straddle the
-budget. Pure functions of the calibration's points."""
+how many seeds each calibration view gets (from the clean runs' spread), which views extend the
+calibration until one fails, and which admission candidates straddle the budget. Pure functions of
+the calibration's points."""
 
 from __future__ import annotations
 
@@ -12,6 +13,23 @@ from opdjax.views.view import EngineView
 
 def _sigma(view: str) -> float:
   return EngineView.parse(view).noise_sigma
+
+
+def seeds_for_power(clean: dict, start: dict, tolerance_sigmas: float, pilot: int, max_seeds: int) -> dict:
+  """`admission.calibrate`'s `power`: the seeds each view needs for claim 1's power rule, from the
+  clean runs so far. Per metric, `verdicts.seeds_needed(s_clean, gain, k)`: the smallest n with
+  k * s_clean * sqrt(2/n) <= gain / 2 (s_clean the clean seeds' std, gain the clean median's
+  improvement over the starting student); the most any learning metric needs, at least `pilot`, at
+  most `max_seeds` (the run budget's share of one view). A metric that did not learn needs nothing
+  (claim 1 is inconclusive on it whatever the seeds)."""
+  needed = {}
+  for m, sign in verdicts.QUALITY.items():
+    if clean.get(m):
+      gain = sign * (start[m] - float(np.median(clean[m])))
+      needed[m] = verdicts.seeds_needed(float(np.std(clean[m], ddof=1)), gain, tolerance_sigmas)
+  want = max([n for n in needed.values() if n is not None], default=pilot)
+  return {"seeds": int(min(max(want, pilot), max(max_seeds, pilot))), "needed": needed, "max_seeds": max_seeds,
+          "clean_std": {m: float(np.std(clean[m], ddof=1)) for m in needed}}
 
 
 def extend_until_failure(points: list[dict], fit: dict) -> EngineView | None:
@@ -30,11 +48,18 @@ def candidates(recipe_weights: str, warmup_steps: int, budget: dict) -> str:
   """>= 6 candidate lines (`NAME: VIEW`): the sensitivity recipe (with and without FP8 KV), the FP8
   e5m2 preset, a stale lag within the protocol's history, and three noise levels placed from the
   calibration to straddle the budget: below the largest passing noise view, between it and the
-  smallest failing one, and beyond that one (the candidate meant to degrade in training; with no
-  failing view, 2x and 3x the largest noise tried)."""
+  smallest failing one (clearly failing where one is), and beyond that one (the candidate meant to
+  degrade in training; with no failing view, 2x and 3x the largest noise tried, which nothing says
+  will degrade)."""
+  fit = budget["fit"]
+  clean = next(p for p in budget["points"] if p["view"] == "clean")
   noise = [(_sigma(p["view"]), p) for p in budget["points"] if p["family"] == "noise"]
   passing = [s for s, p in noise if p["pass"] and p["mismatch"] <= budget["budget"]] or [0.05]
-  failing = [s for s, p in noise if not p["pass"]]
+  # The failing side from the clearly failing noise views (quality-loss interval above the tolerance:
+  # the ones known to degrade), else from those whose median fails.
+  clear = [s for s, p in noise
+           if any(lo > fit["tolerance"][m] for m, (_, lo, _) in verdicts.view_loss(p, clean, fit["metrics"]).items())]
+  failing = clear or [s for s, p in noise if not p["pass"]]
   lo, hi = max(passing), (min(failing) if failing else 2 * max([s for s, _ in noise] or [0.1]))
   sigmas = {"below": 0.7 * lo, "between": float(np.sqrt(lo * hi)), "beyond": 1.5 * hi}
   lag = max(1, warmup_steps // 2)

@@ -126,7 +126,8 @@ def view_loss(quality: dict, clean: dict, metrics) -> dict:
 def budget_bracket(points: list[dict], fit: dict, start: dict, runs: dict) -> Verdict:
   """`points`: calibration points ({view, mismatch, <metric>: [seed values]}, one `clean`), `fit`:
   the calibration's fit (metrics, tolerance, clean_std, tolerance_sigmas, seeds, budget), `start`:
-  the step-0 quality, `runs`: {used, budget} training runs (the extension's run budget)."""
+  the step-0 quality, `runs`: {used, budget, max_seeds (optional)} training runs (the run budget, and
+  the most seeds a view it buys)."""
   falsifier = FALSIFIERS["1"]
   metrics, tol = fit["metrics"], fit["tolerance"]
   clean = next(p for p in points if p["view"] == "clean")
@@ -150,8 +151,10 @@ def budget_bracket(points: list[dict], fit: dict, start: dict, runs: dict) -> Ve
                    "no quality loss can be told from no learning")
   weak = [m for m in metrics if tol[m] > gain[m] / 2]
   if weak:
+    cap = f"; the run budget of {runs['budget']} runs buys {runs['max_seeds']} a view" if "max_seeds" in runs else ""
     return verdict("inconclusive", f"underpowered: the tolerance on {', '.join(weak)} exceeds half the clean runs' "
-                   f"gain (seeds {fit['seeds']}, needed {', '.join(f'{m} {need[m]}' for m in weak)})")
+                   f"gain (seeds {fit['seeds']}, needed {', '.join(f'{m} {need[m]}' for m in weak)}{cap})",
+                   "inconclusive (underpowered)")
   fails = [r for r in rows if r["clear_fail"]]
   if not fails:
     return verdict("inconclusive", f"no view failed with its interval clear of the tolerance within {runs['used']} of "
