@@ -330,6 +330,31 @@ def provenance(r: dict) -> str:
   return f"`{' && '.join(r['command'])}` ({when}; {r['machine']}{load})"
 
 
+def served_teacher_table(r: dict) -> str:
+  """bench/served_teacher.py: per workload, the teacher in the trainer vs served (medians over ABAB rounds)."""
+  res = r["result"]
+  mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
+  head = ["workload", "s/step in trainer", "s/step served", "step_time_ratio", "trainer MiB in trainer",
+          "trainer MiB served", "trainer_memory_ratio", "teacher params MiB", "peak RSS ratio", "server peak RSS MiB",
+          "steps timed", "load"]
+  rows = []
+  for name, w in res["workloads"].items():
+    loads = [x for run in w["runs"] for x in run["load"]]
+    noise = " (noise)" if w["step_time_noise"] else ""
+    rows.append([name, f"{w['step_s']['trainer']:.3f}", f"{w['step_s']['vllm']:.3f}",
+                 f"**{w['step_time_ratio']:.2f}**{noise}", mib(w["trainer_bytes"]["trainer"]),
+                 mib(w["trainer_bytes"]["vllm"]), f"**{w['trainer_memory_ratio']:.3f}**",
+                 mib(w["teacher_param_bytes"]), f"{w['trainer_rss_ratio']:.3f}", f"{w['server_peak_rss'] / 2**20:.0f}",
+                 f"{w['steps_timed']['trainer']} + {w['steps_timed']['vllm']}", f"{min(loads):.1f}-{max(loads):.1f}"])
+  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+  la = res["load_average"]
+  under = (f"Measured under load (1-minute load average {la['runs_min_max'][0]:.1f}-{la['runs_min_max'][1]:.1f} on"
+           f" {la['cores']} cores, other jobs running): the step times are not this box's speed, and a ratio marked"
+           " (noise) is within the spread of the trainer side's own rounds." if res["measured_under_load"] else
+           f"Load average {la['runs_min_max'][0]:.1f}-{la['runs_min_max'][1]:.1f} on {la['cores']} cores.")
+  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows), "", under])
+
+
 # ---------------------------------------------------------------- the registry
 @dataclass(frozen=True)
 class Figure:
@@ -434,6 +459,9 @@ FIGURES: dict[str, Figure] = {
     "bench_cpu_paths": Figure(("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE",
                                "PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE"), None,
                               {"table": recorded_table("table")}),
+    "served_teacher": Figure(("python bench/served_teacher.py --out {out}/served_teacher.json",),
+                             _read_json("served_teacher.json"), {"table": served_teacher_table},
+                             env={"PYTHONPATH": "."}),
     "kv_smollm2": _kv("fetch:smollm2-135m", 72, "0"),
     "kv_qwen3_1p7b": _kv("qwen3-1.7b", 72, "27"),
     "kv_qwen3_1p7b_block": _kv("qwen3-1.7b", 72, "27", "--recipe fp8_block --keep-edge-layers 1"),
