@@ -185,6 +185,10 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the rollout (default 512)")
   p.add_argument("--loss", choices=planning.LOSSES, default="full_rkl", help="loss.kind (default full_rkl)")
   p.add_argument("--chunk", type=int, default=128, help="loss.chunk: positions per logits chunk (default 128)")
+  p.add_argument("--topk", type=int, default=16, help="loss.topk: the top-K of topk_rkl (default 16)")
+  p.add_argument("--teacher-serve", choices=("trainer", "vllm"), default="trainer",
+                 help="teacher.serve (default trainer); vllm: the trainer holds no teacher params (loss sampled_rkl"
+                      " or topk_rkl), planned beside the step with the teacher in the trainer")
   p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
   p.add_argument("--remat", choices=("nothing", "dots", "full"), default="full",
                  help="rematerialisation (default full)")
@@ -248,7 +252,8 @@ def plan(args, overrides) -> int:
   if not (args.teacher and args.student):
     raise UserError("opdjax plan needs --teacher and --student (the models whose memory it plans).")
   spec = planning.Plan(args.teacher, args.student, args.devices, planning.parse_mesh(args.mesh), args.batch,
-                       args.seq_len, args.prompt_len, args.loss, args.chunk, args.dtype, args.remat, args.layers)
+                       args.seq_len, args.prompt_len, args.loss, args.chunk, args.dtype, args.remat, args.layers,
+                       args.teacher_serve, args.topk)
   result = planning.run(spec)
   print(planning.report(result, args.hbm_gib, args.headroom))
   if args.json:

@@ -12,3 +12,9 @@ class Interrupted(KeyboardInterrupt):
   def __init__(self, step: int, message: str = ""):
     super().__init__(message or f"interrupted during step {step}")
     self.step = step
+
+
+class ServerFailed(UserError):
+  """A server the run depends on (a served teacher's) died, stopped answering or answered garbage. The loop
+  adds the step; the run stops after its hooks closed (checkpoints in flight are written), and the same
+  command resumes from the last complete checkpoint."""

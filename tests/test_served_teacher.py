@@ -105,3 +105,46 @@ def test_a_bf16_served_teacher_shows_its_deviation_in_the_metrics(tmp_path):
   for r in checks:
     assert r["teacher_mismatch_abs_max"] > 1e-3 and r["teacher_mismatch_abs_mean"] > 1e-4
     assert 0.5 < r["teacher_mismatch_topk_overlap"] <= 1.0 and r["teacher_mismatch_topk_kl"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_killed_teacher_server_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_path):
+  """SIGKILL of the served teacher's server (its whole process group: supervisor, API server, engine core)
+  mid-run: the run stops with one error line naming the server and the step, after its hooks closed; the
+  same command resumes from the last complete checkpoint and every step is recorded once."""
+  import os
+  import re
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  from helpers import require_vllm
+  from test_orphans import ROOT, children_of
+
+  require_vllm()
+  out = tmp_path / "run"
+  cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", CONFIG, "--out", str(out), "--config.train.steps=60",
+         "--config.train.checkpoint_every=5", "--config.train.eval_every=1000", "--config.task.num_eval=16"]
+  env = {**os.environ, "PYTHONPATH": ROOT}
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 12):
+    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+    time.sleep(0.05)
+  server = children_of(proc.pid)
+  assert server, "no teacher server process found"
+  os.killpg(os.getpgid(server[0]), signal.SIGKILL)
+  text = proc.communicate(timeout=300)[0]
+  errors = [line for line in text.splitlines() if line.startswith("opdjax: error:")]
+  assert proc.returncode == 2 and len(errors) == 1, text[-3000:]
+  assert re.search(r"step \d+: the teacher server at http://127\.0\.0\.1:\d+ (died|stopped answering)", errors[0]), \
+      errors[0]
+  assert "resumes from the last complete checkpoint" in errors[0]
+  stopped = int(re.search(r"step (\d+):", errors[0])[1])
+  assert 12 <= stopped < 60
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  steps = [r["step"] for r in _records(out) if "loss" in r]
+  assert steps == list(range(1, 61)), steps

@@ -8,6 +8,11 @@ shardings): nothing is allocated. Per device, `compiled.memory_analysis()` gives
 shapes and shardings), the outputs, the temporaries (activations, gradients, logits chunks) and
 what donation aliases; the peak is arguments + outputs + temporaries - aliased.
 
+`--teacher-serve vllm` (teacher.serve='vllm'): the teacher is scored by its own vLLM server(s), so the
+train step holds no teacher params and takes the server's answer in its batch (the sampled token's
+log-prob, and for topk_rkl the top-K ids and log-probs); the step with the teacher in the trainer is
+compiled beside it, so the saving is read off one plan.
+
 The numbers are XLA's CPU backend's. A GPU compile of the same program fuses and lays out
 differently (cuDNN attention, its own buffer assignment), so treat them as an estimate with a
 margin: the default `--headroom 0.9` counts a device as fitting when the peak is under 90 % of
@@ -44,6 +49,18 @@ class Plan:
   dtype: str = "bfloat16"
   remat: str = "full"
   layers: int = 0  # 0: the models' own depth; N: both models cut to N layers (faster compiles)
+  teacher_serve: str = "trainer"  # teacher.serve: "vllm" plans the trainer of a served teacher
+  topk: int = 16  # loss.topk (topk_rkl)
+
+  def __post_init__(self):
+    from opdjax.errors import UserError
+    from opdjax.training.loss import SERVED_OBJECTIVES
+
+    if self.teacher_serve not in ("trainer", "vllm"):
+      raise UserError(f"--teacher-serve {self.teacher_serve!r}: choose trainer or vllm.")
+    if self.teacher_serve == "vllm" and self.loss not in SERVED_OBJECTIVES:
+      raise UserError(f"--teacher-serve vllm with --loss {self.loss}: a served teacher returns the sampled token's"
+                      f" log-prob and its top-K only; pass --loss {' or --loss '.join(SERVED_OBJECTIVES)}.")
 
 
 def parse_mesh(text: str) -> tuple[int, int, int]:
@@ -88,7 +105,8 @@ def _memory(compiled) -> dict:
 
 
 def measure(plan: Plan) -> dict:
-  """Compiles both functions for `plan` and returns per-device bytes (run where jax sees the devices)."""
+  """Compiles both functions for `plan` (and, for a served teacher, the step with the teacher in the trainer
+  beside it: `train_teacher_in_trainer`) and returns per-device bytes (run where jax sees the devices)."""
   import jax
   import jax.numpy as jnp
 
@@ -100,8 +118,7 @@ def measure(plan: Plan) -> dict:
   from opdjax.parallel.placement import Placement
   from opdjax.rollout.base import SamplingParams
   from opdjax.rollout.jax.engine import generate_loop
-  from opdjax.training.loss import LossConfig
-  from opdjax.training.step import OptimConfig, TrainState, make_optimizer, make_train_step, train_step_shardings
+  from opdjax.training.step import OptimConfig, TrainState, make_optimizer, train_step_shardings
 
   if jax.device_count() != plan.devices:
     raise RuntimeError(f"the worker sees {jax.device_count()} devices, the plan wants {plan.devices}")
@@ -114,24 +131,17 @@ def measure(plan: Plan) -> dict:
   place = Placement(mesh)
   student, teacher = (Model(cfgs[r], remat_policy=plan.remat) for r in ("student", "teacher"))
   s_params = jax.eval_shape(student.init, jax.random.key(0))
-  t_params = jax.eval_shape(teacher.init, jax.random.key(0))
   optimizer = make_optimizer(OptimConfig())
-  (state_sh, teacher_sh, batch_sh), _ = train_step_shardings(place, s_params, t_params, optimizer)
+  state_sh = train_step_shardings(place, s_params, None, optimizer)[0][0]
   state = _with_shardings(jax.eval_shape(lambda p: TrainState.create(p, optimizer), s_params), state_sh)
-  t_params = _with_shardings(t_params, teacher_sh)
-  length = plan.seq_len - 1
-  kinds = {"tokens": jnp.int32, "positions": jnp.int32, "attention_mask": jnp.bool_, "targets": jnp.int32,
-           "loss_mask": jnp.float32, "rollout_logprobs": jnp.float32}
-  batch = {k: jax.ShapeDtypeStruct((plan.batch, length), dt, sharding=batch_sh) for k, dt in kinds.items()}
-  step = make_train_step(student, teacher, LossConfig(kind=plan.loss, chunk=plan.chunk), optimizer,
-                         shardings=train_step_shardings(place, s_params, t_params, optimizer))
-  t0 = time.perf_counter()
-  train = _memory(step.lower(state, t_params, batch).compile())
-  train_s = time.perf_counter() - t0
-  train["student_params"] = _bytes_per_device(state.params)
-  train["optimizer_state"] = _bytes_per_device(state.opt_state)
-  train["teacher_params"] = _bytes_per_device(t_params)
-  train["batch"] = _bytes_per_device(batch)
+  sides = {"train": plan.teacher_serve == "vllm"}
+  if plan.teacher_serve == "vllm":
+    sides["train_teacher_in_trainer"] = False  # the alternative, compiled beside it
+  out, compile_s = {}, {}
+  for key, served in sides.items():
+    t0 = time.perf_counter()
+    out[key] = _train_memory(plan, place, student, None if served else teacher, state, optimizer)
+    compile_s[key] = round(time.perf_counter() - t0, 1)
 
   # The engine holds the student in its compute dtype and a KV cache of the whole sequence.
   dt = jnp.dtype(plan.dtype)
@@ -153,8 +163,42 @@ def measure(plan: Plan) -> dict:
   rollout_s = time.perf_counter() - t0
   rollout["student_params"] = _bytes_per_device(e_params)
   rollout["kv_cache"] = _bytes_per_device(cache)
-  return {"plan": dataclasses.asdict(plan), "mesh_sizes": dict(mesh.shape), "train": train, "rollout": rollout,
-          "compile_s": {"train": round(train_s, 1), "rollout": round(rollout_s, 1)}}
+  return {"plan": dataclasses.asdict(plan), "mesh_sizes": dict(mesh.shape), **out, "rollout": rollout,
+          "compile_s": {**compile_s, "rollout": round(rollout_s, 1)}}
+
+
+def _train_memory(plan: Plan, place, student, teacher, state, optimizer) -> dict:
+  """The train step's per-device memory; `teacher` None: a served teacher's step (no teacher params,
+  its server's answer in the batch: opdjax.training.loss.SERVED_KEYS)."""
+  import jax
+  import jax.numpy as jnp
+
+  from opdjax.training.loss import LossConfig
+  from opdjax.training.step import make_train_step, train_step_shardings
+
+  t_params = None if teacher is None else jax.eval_shape(teacher.init, jax.random.key(0))
+  shardings = train_step_shardings(place, state.params, t_params, optimizer)
+  (_, teacher_sh, batch_sh), _ = shardings
+  if t_params is not None:
+    t_params = _with_shardings(t_params, teacher_sh)
+  rows, length = plan.batch, plan.seq_len - 1
+  kinds = {"tokens": jnp.int32, "positions": jnp.int32, "attention_mask": jnp.bool_, "targets": jnp.int32,
+           "loss_mask": jnp.float32, "rollout_logprobs": jnp.float32}
+  shapes = {k: ((rows, length), dt) for k, dt in kinds.items()}
+  if teacher is None:
+    shapes["teacher_logprobs"] = ((rows, length), jnp.float32)
+    if plan.loss == "topk_rkl":
+      shapes["teacher_topk_ids"] = ((rows, length, plan.topk), jnp.int32)
+      shapes["teacher_topk_logprobs"] = ((rows, length, plan.topk), jnp.float32)
+  batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=batch_sh) for k, (shape, dt) in shapes.items()}
+  step = make_train_step(student, teacher, LossConfig(kind=plan.loss, chunk=plan.chunk, topk=plan.topk), optimizer,
+                         shardings=shardings)
+  train = _memory(step.lower(state, t_params, batch).compile())
+  train["student_params"] = _bytes_per_device(state.params)
+  train["optimizer_state"] = _bytes_per_device(state.opt_state)
+  train["teacher_params"] = _bytes_per_device(t_params) if t_params is not None else 0
+  train["batch"] = _bytes_per_device(batch)
+  return train
 
 
 def run(plan: Plan, timeout_s: float = 1800) -> dict:
@@ -183,25 +227,35 @@ def fits(result: dict, hbm_gib: float, headroom: float) -> bool:
 def report(result: dict, hbm_gib: float, headroom: float) -> str:
   p, m = result["plan"], result["mesh_sizes"]
   mesh = " ".join(f"{k}={v}" for k, v in m.items())
+  served = "train_teacher_in_trainer" in result
   lines = [f"opdjax plan: teacher {p['teacher']} -> student {p['student']}"
-           + (f" (both cut to {p['layers']} layers)" if p["layers"] else ""),
+           + (f" (both cut to {p['layers']} layers)" if p["layers"] else "")
+           + (", teacher served by vLLM (teacher.serve=vllm)" if served else ""),
            f"  batch {p['batch']} x {p['seq_len']} tokens (prompt {p['prompt_len']}), loss {p['loss']} (chunk"
            f" {p['chunk']}), {p['dtype']} compute, remat {p['remat']}",
-           f"  mesh {mesh} on {p['devices']} devices (compiled for the host CPU: GPU layouts differ; see --help)",
-           "", f"  {'per device, GiB':<22}{'train step':>12}{'rollout':>12}"]
+           f"  mesh {mesh} on {p['devices']} devices (compiled for the host CPU: GPU layouts differ; see --help)", ""]
+  sides = [("train", "train step"), *([("train_teacher_in_trainer", "in trainer")] if served else []),
+           ("rollout", "rollout")]
+  lines.append(f"  {'per device, GiB':<22}" + "".join(f"{title:>12}" for _, title in sides))
   rows = [("student params", "student_params", "student_params"), ("optimizer state", "optimizer_state", None),
           ("teacher params", "teacher_params", None), ("batch / KV cache", "batch", "kv_cache"),
           ("arguments (total)", "arguments", "arguments"), ("outputs", "outputs", "outputs"),
           ("temporaries", "temporaries", "temporaries"), ("donated (aliased)", "aliased", "aliased"),
           ("peak", "peak", "peak")]
   for label, a, b in rows:
-    cell = [f"{result[side][key] / GIB:>12.2f}" if key else f"{'-':>12}"
-            for side, key in (("train", a), ("rollout", b))]
-    lines.append(f"  {label:<22}{cell[0]}{cell[1]}")
+    cells = [f"{result[side][key] / GIB:>12.2f}" if key else f"{'-':>12}"
+             for side, key in ((side, b if side == "rollout" else a) for side, _ in sides)]
+    lines.append(f"  {label:<22}{''.join(cells)}")
   peak = max(result["train"]["peak"], result["rollout"]["peak"]) / GIB
   verdict = "fits" if fits(result, hbm_gib, headroom) else "does NOT fit"
-  lines += ["", f"  {verdict}: peak {peak:.2f} GiB per device vs {hbm_gib:g} GiB x {headroom:g} headroom"
-            f" ({100 * peak / hbm_gib:.0f} % of HBM)"]
+  lines += [""]
+  if served:
+    a, b = result["train"], result["train_teacher_in_trainer"]
+    lines.append(f"  teacher served: train step peak {a['peak'] / GIB:.2f} GiB per device, {b['peak'] / GIB:.2f} GiB"
+                 f" with the teacher in the trainer (saves {(b['peak'] - a['peak']) / GIB:.2f} GiB; its params"
+                 f" {b['teacher_params'] / GIB:.2f} GiB)")
+  lines.append(f"  {verdict}: peak {peak:.2f} GiB per device vs {hbm_gib:g} GiB x {headroom:g} headroom"
+               f" ({100 * peak / hbm_gib:.0f} % of HBM)")
   return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from opdjax.errors import Interrupted
+from opdjax.errors import Interrupted, ServerFailed
 from opdjax.pipeline.async_sampler import AsyncSampler
 from opdjax.pipeline.overlap import fields as overlap_fields
 from opdjax.pipeline.overlap import generate_side
@@ -174,12 +174,12 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
       sampler.history.push(version, params)
   loop = Loop(session, view, seed, steps, state, sampler, list(hooks), start, last_eval,
               timed=sampler.timed if timed is None else timed)
+  step = start
   try:
     for h in loop.hooks:
       h.start(loop)
     for h in loop.hooks:
       h.ready(loop)
-    step = start
     for step in range(start, steps):
       sample = sampler(step, loop.state.params)
       timing = Timing(sample, step, sampler.depth, loop.eval_s) if loop.timed else None
@@ -201,6 +201,8 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
       h.end(loop)
   except KeyboardInterrupt as e:  # reported once the hooks below have closed (checkpoints written)
     raise e if isinstance(e, Interrupted) else Interrupted(step + 1) from None
+  except ServerFailed as e:  # a served teacher's server: the step it failed in, reported after the hooks closed
+    raise ServerFailed(f"step {step + 1}: {e} The same command resumes from the last complete checkpoint.") from None
   finally:
     sampler.close()
     for h in loop.hooks:

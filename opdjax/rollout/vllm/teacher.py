@@ -25,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-from opdjax.errors import UserError
+from opdjax.errors import ServerFailed, UserError
 from opdjax.rollout.vllm.client import ServerDown, VllmClient, VllmError, error_message, http_json
 from opdjax.rollout.vllm.launch import check_base_url, make_vllm_server, servers_load_together
 
@@ -33,7 +33,7 @@ UNNORMALISED_MODES = ("raw_logits", "processed_logits")
 RETRIES = 2  # a connection error is tried again this many times (1 s, then 2 s later) before the run stops
 
 
-class TeacherServerError(VllmError):
+class TeacherServerError(VllmError, ServerFailed):
   """A teacher server died, stopped answering or answered something unusable; the message names it."""
 
 
@@ -164,7 +164,8 @@ class ServedTeacher:
         break
       except ServerDown as e:
         if server is not None and not server.running:
-          raise TeacherServerError(f"the {self.name} server at {client.url} died ({e}); {server.failure()}") from None
+          raise TeacherServerError(f"the {self.name} server at {client.url} died ({e}); its log is {server.log_path}.") \
+              from None
         if attempt == RETRIES:
           raise TeacherServerError(f"the {self.name} server at {client.url} stopped answering ({e}), {RETRIES + 1}"
                                    " times; check it and its log, then resume the run.") from None
