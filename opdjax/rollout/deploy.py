@@ -224,24 +224,28 @@ def _plan_teacher(cfg, processes: int):
   from opdjax.rollout.vllm.teacher import check_teacher_servers
 
   v = t.vllm
-  if v.attached:
-    check_teacher_servers(v.attached, v.api_key, topk=cfg.loss.topk if cfg.loss.kind == "topk_rkl" else 0,
+  urls = v.attached or tuple(x for _, x in t.route_table if x.startswith(("http://", "https://")))
+  if urls:
+    check_teacher_servers(urls, v.api_key, topk=cfg.loss.topk if cfg.loss.kind == "topk_rkl" else 0,
                           max_len=cfg.rollout.max_len)
-  else:
+  if not v.attached:  # servers started here (the one teacher's, or routes' folders): FP8 needs FP8 GPUs
     check_fp8(v.quantization or ("fp8" if v.recipe else ""), v.kv_cache_dtype, gpu_capabilities(v.gpus))
   return v
 
 
-def serve_teacher(d: Deployment, cfg, model_dir: str, *, vocab_size: int, batch_size: int, out_dir: str):
-  """The served teacher of a Deployment with `teacher_served`: its servers started from `teacher.vllm`
-  (serving `model_dir`), or the attached ones; `batch_size`: the most rows one scoring sends."""
+def serve_teacher(d: Deployment, cfg, model_dir: str | None, *, vocab_size: int, batch_size: int, out_dir: str,
+                  url: str | None = None, name: str = "teacher"):
+  """A served teacher of a Deployment with `teacher_served`: its servers started from `teacher.vllm` (serving
+  `model_dir`), or the attached ones (`teacher.vllm.url(s)`, or `url`: a route's); `batch_size`: the most rows
+  one scoring sends; `name`: its log (OUT/vllm-NAME.log) and its messages."""
   from opdjax.rollout.vllm.teacher import ServedTeacher
 
   if not d.teacher_served:
     raise ValueError("this Deployment scores the teacher in the trainer (teacher.serve='trainer').")
-  return ServedTeacher(d.teacher_vllm, model_dir, max_len=cfg.rollout.max_len, batch_size=batch_size,
+  vcfg = d.teacher_vllm if url is None else dataclasses.replace(d.teacher_vllm, url=url, urls="", num_servers=1)
+  return ServedTeacher(vcfg, model_dir, max_len=cfg.rollout.max_len, batch_size=batch_size,
                        topk=cfg.loss.topk if cfg.loss.kind == "topk_rkl" else 0, vocab_size=vocab_size,
-                       out_dir=out_dir)
+                       out_dir=out_dir, name=name)
 
 
 def describe_config(rcfg) -> str:

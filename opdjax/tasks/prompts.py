@@ -1,7 +1,8 @@
 """Prompts from a JSONL file, tokenized by the models' Hugging Face tokenizer.
 
 Each line is `{"prompt": "..."}` or `{"messages": [{"role": ..., "content": ...}, ...]}`; with
-`chat_template` the tokenizer's chat template (with the generation prompt) is applied. The last
+`chat_template` the tokenizer's chat template (with the generation prompt) is applied. An optional
+`"tag"` names the prompt's kind, which routes it to a teacher of its own (teacher.routes). The last
 `num_eval` lines are held out for evaluation. There is no verifier, so `score` returns None.
 """
 
@@ -31,11 +32,13 @@ class PromptsTask:
     except (OSError, ValueError) as e:
       raise UserError(f"the tokenizer in {tokenizer_path} does not load ({type(e).__name__}: {str(e)[:200]});"
                       " check its tokenizer files.") from None
-    rows = []
+    rows, tags = [], []
     with open(path) as f:
       for n, line in enumerate(f, 1):
         if line.strip():
-          rows.append(self._encode(json.loads(line), chat_template, f"{path}:{n}"))
+          row = json.loads(line)
+          rows.append(self._encode(row, chat_template, f"{path}:{n}"))
+          tags.append((row.get("tag"), n))
     too_long = [i for i, r in enumerate(rows) if len(r) > max_prompt_tokens]
     if too_long:
       raise UserError(f"{path}: {len(too_long)} prompts exceed {max_prompt_tokens} tokens (first: line"
@@ -43,6 +46,7 @@ class PromptsTask:
     if len(rows) <= num_eval:
       raise UserError(f"{path} has {len(rows)} prompts; need more than task.num_eval={num_eval}.")
     self._train, self._eval = rows[:-num_eval] if num_eval else rows, rows[len(rows) - num_eval:]
+    self.path, self._tags = path, tags  # (tag or None, line number) per prompt, train then held out
     self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
     eos = self.tokenizer.eos_token_id
     self.eos_ids = () if eos is None else (eos,)
@@ -63,6 +67,20 @@ class PromptsTask:
 
   def eval_set(self):
     return self._eval, None
+
+  def tags(self, refs) -> list:
+    """The tags of a training batch's prompts (`refs`: train_batch's), or of the held-out prompts (None)."""
+    if refs is None:
+      return [t for t, _ in self._tags[len(self._train):]]
+    return [self._tags[int(i)][0] for i in refs]
+
+  def check_tags(self, known) -> None:
+    """Every prompt carries one of the tags `known` (teacher.routes): one error naming the first that does not."""
+    for tag, line in self._tags:
+      if tag not in known:
+        what = "has no \"tag\"" if tag is None else f"has tag {tag!r}"
+        raise UserError(f"{self.path}:{line} {what}; teacher.routes routes the tags {', '.join(map(repr, known))}:"
+                        " give every prompt one of them, or add a route for it.")
 
   has_verifier = False  # held-out quality is the reverse KL alone (no greedy pass)
 

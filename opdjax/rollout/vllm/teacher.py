@@ -164,8 +164,8 @@ class ServedTeacher:
         break
       except ServerDown as e:
         if server is not None and not server.running:
-          raise TeacherServerError(f"the {self.name} server at {client.url} died ({e}); its log is {server.log_path}.") \
-              from None
+          raise TeacherServerError(f"the {self.name} server at {client.url} died ({e}); its log is"
+                                   f" {server.log_path}.") from None
         if attempt == RETRIES:
           raise TeacherServerError(f"the {self.name} server at {client.url} stopped answering ({e}), {RETRIES + 1}"
                                    " times; check it and its log, then resume the run.") from None
