@@ -155,17 +155,18 @@ def summarise(runs: list[dict]) -> dict:
   mem = {s: max(r["trainer_bytes"] for r in rs) for s, rs in by.items()}
   rss = {s: max(r["trainer_peak_rss"] for r in rs) for s, rs in by.items()}
   ratio = med["vllm"] / med["trainer"]
-  # The noise floor: how far apart the trainer side's own rounds are (their medians' spread).
+  # The noise floor: how far apart the trainer side's own rounds are (their medians' spread); with one round,
+  # the spread of its steps (a wider floor: single steps vary more than medians).
   rounds = [statistics.median(r["step_s"]) for r in by["trainer"]]
-  spread = (max(rounds) - min(rounds)) / med["trainer"] if len(rounds) > 1 else None
+  values, basis = (rounds, "rounds") if len(rounds) > 1 else (by["trainer"][0]["step_s"], "steps of one round")
+  spread = (max(values) - min(values)) / med["trainer"]
   return {"step_s": med, "step_time_ratio": ratio, "trainer_bytes": mem,
           "trainer_memory_ratio": mem["vllm"] / mem["trainer"], "trainer_peak_rss": rss,
           "trainer_rss_ratio": rss["vllm"] / rss["trainer"],
           "teacher_param_bytes": max(r["teacher_param_bytes"] for r in by["trainer"]),
           "served_teacher_param_bytes": max(r["teacher_param_bytes"] for r in by["vllm"]),
           "server_peak_rss": max(r["server_peak_rss"] for r in by["vllm"]),
-          "trainer_round_spread": spread,
-          "step_time_noise": spread is not None and abs(ratio - 1) <= spread,
+          "trainer_spread": spread, "trainer_spread_of": basis, "step_time_noise": abs(ratio - 1) <= spread,
           "steps_timed": {s: sum(len(r["step_s"]) for r in rs) for s, rs in by.items()}}
 
 

@@ -350,7 +350,8 @@ def served_teacher_table(r: dict) -> str:
   la = res["load_average"]
   under = (f"Measured under load (1-minute load average {la['runs_min_max'][0]:.1f}-{la['runs_min_max'][1]:.1f} on"
            f" {la['cores']} cores, other jobs running): the step times are not this box's speed, and a ratio marked"
-           " (noise) is within the spread of the trainer side's own rounds." if res["measured_under_load"] else
+           " (noise) is within the spread of the trainer side's own rounds (of its steps, with one round)."
+           if res["measured_under_load"] else
            f"Load average {la['runs_min_max'][0]:.1f}-{la['runs_min_max'][1]:.1f} on {la['cores']} cores.")
   return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows), "", under])
 
