@@ -251,10 +251,13 @@ def test_two_teachers_routed_by_tag_each_score_their_own_rows(tmp_path):
                 "teacher.path": tmp_path / "a", "student.path": tmp_path / "student", "rollout.batch_size": 8,
                 "rollout.max_new_tokens": 6, "rollout.max_len": 32, "train.steps": 2, "train.eval_every": 1,
                 "train.checkpoint_every": 0, "teacher.routes": f"a={tmp_path / 'a'},b={tmp_path / 'b'}"})
+  (tmp_path / "direct").mkdir()
   session = Session(cfg, str(tmp_path / "direct"), progress=False)
   try:
     prompts, refs = step_prompts(session, 0, 0, 8, 1)
-    rollout = session.engines.get(EngineView()).generate(prompts, session.sampling, seed=3)
+    engine = session.engines.get(EngineView())
+    engine.sync(session.student_params, 0)
+    rollout = engine.generate(prompts, session.sampling, seed=3)
     answer = session.score_teacher(rollout, refs)
     batch = batch_from_rollout(rollout)
     tags, mask = np.asarray(session.task.tags(refs)), np.asarray(batch["loss_mask"]) > 0
