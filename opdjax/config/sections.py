@@ -371,7 +371,7 @@ class TrainConfig:
   steps' mismatch with it: warn, backoff (lower rollout.async_depth, then switch to `guard_view`)
   or halt (opdjax.pipeline.guard)."""
 
-  steps: int = 800
+  steps: int = 1200
   eval_every: int = 1
   checkpoint_every: int = 200
   keep_checkpoints: int = 3
