@@ -113,12 +113,20 @@ def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
         f.write(proc.stdout)
       if proc.returncode:
         raise DocsError(f"`{line}` exited {proc.returncode} (its output: {log})")
-  r = {"command": [c.replace("{out}", "DIR") for c in fig.commands], "commit": commit,
-       "worktree": f"{len(dirty.splitlines())} tracked files modified" if dirty else "clean",
-       "machine": machine(), "date": datetime.date.today().isoformat(), "measured": "fresh run",
-       "load": load_text(load0) if not from_dir else "load not recorded (read from an existing run folder)",
+  result = fig.collect(run)
+  date = datetime.date.today().isoformat()
+  worktree = f"{len(dirty.splitlines())} tracked files modified" if dirty else "clean"
+  load = load_text(load0) if not from_dir else "load not recorded (read from an existing run folder)"
+  if from_dir and isinstance(result, dict) and result.get("commit"):  # the run's own record says what it ran
+    commit, date, worktree = result["commit"], result.get("date", date)[:10], "as recorded by the run"
+    if "load_average" in result:
+      la = result["load_average"]
+      load = f"load average {la['start']} at start, {la['end']} at end, on {os.cpu_count()} cores (recorded by the run)"
+  r = {"command": [c.replace("{out}", "DIR") for c in fig.commands], "commit": commit, "worktree": worktree,
+       "machine": machine(), "date": date, "measured": "fresh run",
+       "load": load,
        **({"note": fig.note} if fig.note else {}), "wall_s": None if from_dir else round(time.time() - t0, 1),
-       "result": fig.collect(run)}
+       "result": result}
   r["digest"] = reporting.record_digest(r)
   reporting.write_json(result_path(root, name), r)
   for path, plot in fig.images:  # not compared by --check (PNG bytes vary with matplotlib), redrawn here

@@ -308,6 +308,62 @@ def reproduction_table(r: dict) -> str:
   return "\n".join(lines)
 
 
+def _ci(x) -> str:
+  lo, hi = x[-2], x[-1]
+  return f"[{'-inf' if lo is None else f'{lo:.3g}'}, {'inf' if hi is None else f'{hi:.3g}'}]"
+
+
+def reproduction_evidence(r: dict) -> str:
+  """The numbers each verdict rule used (opdjax.analyses.verdicts' `evidence`), one list item a claim."""
+  claims = r["result"]["claims"]
+  out = []
+  c = claims.get("1")
+  if c and "evidence" in c:
+    ev = c["evidence"]
+    power = c.get("power", {})
+    tol = ", ".join(f"{m} {v:.3g}" for m, v in ev["tolerance"].items())
+    gain = ", ".join(f"{m} {v:.3g}" for m, v in ev["clean_gain"].items())
+    need = ", ".join(f"{m} {v}" for m, v in ev["seeds_needed"].items())
+    out.append(f"- **Claim 1** ({c['label']}): {ev['seeds']} seeds a view (pilot {power.get('pilot_seeds', '-')};"
+               f" needed by the clean spread: {need}; at most {ev['runs'].get('max_seeds', '-')} from the run budget of"
+               f" {ev['runs']['budget']}, {ev['runs']['used']} runs used); clean gain over the start {gain};"
+               f" tolerance {tol}. Quality loss against clean (median, 95% Welch interval) by mismatch:")
+    for v in ev["views"]:
+      loss = "; ".join(f"{m} {x[0]:+.3g} {_ci(x)}" for m, x in v["loss"].items())
+      mark = "clear fail" if v["clear_fail"] else "pass" if v["pass"] else "median fails"
+      out.append(f"  - `{v['view']}` mismatch {v['mismatch']:.3g}: {loss} ({mark})")
+  c = claims.get("2")
+  if c and "evidence" in c:
+    ev = c["evidence"]
+    ins, held = ev["in_sample"], ev.get("heldout") or {}
+    out.append(f"- **Claim 2** ({c['label']}): recipe bf16 layers {ev['recipe_layers']}, edge layers"
+               f" {ev['edge_layers']}; in-sample ({ins['num_prompts']} sequences) KL recipe {ins['recipe_kl']:.3g},"
+               f" edge {ins['edge_kl']:.3g}, random {ins['random_kl']:.3g}"
+               + (f"; held-out ({held['num_prompts']} prompts) recipe {held['recipe_kl']:.3g}, edge"
+                  f" {held['edge_kl']:.3g}, random {held['random_kl']:.3g}" if held else "; no held-out prompts"))
+  c = claims.get("4")
+  if c and "evidence" in c:
+    ev = c["evidence"]
+    out.append(f"- **Claim 4** ({c['label']}): {ev['replicates']} replicates; noise floor (clean vs clean, another"
+               f" seed) {ev['floor'][0]:.3g} {_ci(ev['floor'])}; per view, prefix-shift part (mean, 95% t interval)"
+               " and the error TIS removes (raw - TIS):")
+    for v in ev["views"]:
+      out.append(f"  - `{v['view']}`: prefix shift {v['prefix_shift'][0]:.3g} {_ci(v['prefix_shift'])}"
+                 f" ({'clears' if v['clears_floor'] else 'does not clear'} the floor); TIS removes"
+                 f" {v['tis_removed'][0]:.3g} {_ci(v['tis_removed'])}")
+  c = claims.get("5")
+  if c and "evidence" in c:
+    ev = c["evidence"]
+    n = ev["total"]
+    out.append(f"- **Claim 5** ({c['label']}): agreement {ev['agree']}/{n} vs accept-all {ev['accept_all']}/{n} and"
+               f" reject-all {ev['reject_all']}/{n}; {ev['degrading']} degrading in training; false accepts:"
+               f" {', '.join(ev['false_accepts']) or 'none'}. Candidates:")
+    for row in c["rows"]:
+      out.append(f"  - `{row['name']}` mismatch {row['mismatch']:.3g}: {row['verdict']}, trained"
+                 f" {'within tolerance' if row['quality_ok'] else 'degraded'}")
+  return "\n".join(out)
+
+
 def _recorded(command: str, *views: str) -> Figure:
   """A figure not re-measured since its numbers were written: --refresh refuses, --check still compares."""
   return Figure((command,), None, {v: recorded_table(v) for v in views})
@@ -451,7 +507,11 @@ FIGURES: dict[str, Figure] = {
         for kind, extra in (("sync", ""), ("async", " --config.rollout.async_depth=1"))),
         collect_sync_async, {"line": sync_async_line}),
     "reproduction_smollm2": Figure(("python scripts/reproduce.py --task smollm2 --out {out}",),
-                                   _read_json("reproduction.json"), {"table": reproduction_table}),
+                                   _read_json("reproduction.json"),
+                                   {"table": reproduction_table, "evidence": reproduction_evidence}),
+    "reproduction_addition": Figure(("python scripts/reproduce.py --task addition --out {out}",),
+                                    _read_json("reproduction.json"),
+                                    {"table": reproduction_table, "evidence": reproduction_evidence}),
     "bench_opd_step": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE", "table"),
     "bench_rollout": _recorded("PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE", "table"),
     "bench_rollout_vllm": _recorded("PYTHONPATH=. python bench/rollout_vllm.py --out FILE", "table"),

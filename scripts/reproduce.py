@@ -9,8 +9,10 @@ calibrate, admission (the cheap ones first); every verdict comes from `opdjax.an
      the KV-token ratio with FP8 KV from `opdjax kv-capacity` (reported).
   4. prefix shift: `prefix_shift.run` under noise, FP8 and lag, `REPLICATES` seeds: each view's
      prefix-shift part with an interval, against the noise floor's.
-  1. calibrate: `admission.calibrate` over the config's views, extended (noise doubled, at most
-     `EXTRA_VIEWS` views more) until one fails with its interval clear of the tolerance.
+  1. calibrate: `admission.calibrate` over the config's views, each with the seeds the clean runs'
+     spread calls for (pilot `calibrate.seeds`, then `study_design.seeds_for_power`, within
+     `RUN_BUDGET`), extended (noise doubled, while the run budget lasts) until one fails with its
+     interval clear of the tolerance.
   5. admission: 7 candidates (the recipe with and without FP8 KV, FP8 e5m2, a lag, three noise
      levels placed from the calibration to straddle the budget) admitted and trained by
      scripts/validate_admission.py, scored against accept-all and reject-all.
@@ -67,7 +69,8 @@ BUDGETS = {
 EXTRA_VIEWS = {("addition", False): 2, ("addition", True): 1, ("smollm2", False): 2, ("smollm2", True): 1}
 # Calibration's run budget (training runs, views x seeds): the seeds of every view come from the clean
 # runs' spread (study_design.seeds_for_power after `calibrate.seeds` pilot runs), at most
-# RUN_BUDGET // (configured views + EXTRA_VIEWS) a view; the admission candidates train with as many.
+# RUN_BUDGET // (configured views + EXTRA_VIEWS) a view (so at least EXTRA_VIEWS extension views fit;
+# the extension runs while the budget lasts); the admission candidates train with as many seeds.
 # Addition: 12 seeds a view at most (~8 s a 400-step run). SmolLM2: 2, the pilot's (~100 s a run on 2
 # cores: each seed more over 8 views and 7 candidates costs ~25 min, past the issue's 60-minute target).
 RUN_BUDGET = {("addition", False): 120, ("addition", True): 10, ("smollm2", False): 16, ("smollm2", True): 8}
