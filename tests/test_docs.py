@@ -117,7 +117,7 @@ def test_a_result_changed_after_its_command_wrote_it_is_refused(tmp_path, capsys
   outer = json.loads(json.dumps(r))
   outer["measured"] = "fresh run, edited"  # a provenance field changed by hand
   inner = json.loads(json.dumps(r))
-  inner["result"]["claims"]["1"]["verdict"] = "does not hold"
+  inner["result"]["claims"]["2"]["verdict"] = "does not hold"  # claim 2: the stage every run reaches first
   inner["digest"] = reporting.record_digest(inner)  # even with the outer digest redone, the run's own refuses
   for bad in (outer, inner):
     path.write_text(json.dumps(bad))
