@@ -43,6 +43,13 @@ def random_rollout(seed, p_lens=(3, 8, 5, 1), n_lens=(6, 2, 0, 5), p=8, n=6, pad
   return Rollout(jnp.asarray(pt), jnp.asarray(pm), jnp.asarray(ct), jnp.asarray(cm), jnp.zeros(ct.shape, jnp.float32))
 
 
+def fresh_rollout(tiny):
+  """A rollout of a fresh random seed and the trainer's fp32 scores of it (`jax_teacher`) by the tiny model."""
+  model, params, _ = tiny
+  r = random_rollout(seed=int(np.random.default_rng().integers(1 << 30)))
+  return r, jax_teacher(model, params, r)
+
+
 def jax_teacher(model, params, r):
   """(token_logprobs [B, L], fp32 log-softmax [B, L, V], loss_mask [B, L]) of the trainer's teacher."""
   batch = batch_from_rollout(r)
@@ -246,9 +253,7 @@ def bf16_teacher(tiny, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_an_fp32_served_teacher_equals_the_trainers_fp32_teacher(tiny, fp32_teacher):
-  model, params, _ = tiny
-  r = random_rollout(seed=int(np.random.default_rng().integers(1 << 30)))
-  want, full, mask = jax_teacher(model, params, r)
+  r, (want, full, mask) = fresh_rollout(tiny)
   assert np.std(want[mask]) > 0.3  # peaked, varied distributions: a flat or constant teacher would not pass
   got = fp32_teacher.score(r)
   assert got["teacher_logprobs"].dtype == np.float32 and got["teacher_topk_ids"].shape == (*mask.shape, V)
@@ -291,9 +296,7 @@ def test_a_server_of_another_vocabulary_is_refused(fp32_teacher, topk, vocab, ma
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_bf16_served_teacher_deviates_and_refuses_k_above_its_max_logprobs(tiny, bf16_teacher):
-  model, params, _ = tiny
-  r = random_rollout(seed=int(np.random.default_rng().integers(1 << 30)))
-  want, _, mask = jax_teacher(model, params, r)
+  r, (want, _, mask) = fresh_rollout(tiny)
   delta = np.abs(bf16_teacher.score(r)["teacher_logprobs"] - want)[mask]
   assert 1e-3 < delta.max() < 0.5, delta.max()  # bf16's rounding shows, on the same model
   url = bf16_teacher.urls[0]
