@@ -11,8 +11,11 @@ from opdjax import cli
 @pytest.mark.slow
 def test_train_cli_student_improves(demo_cache, tmp_path, capsys):
   out = str(tmp_path / "run")
+  # The first 400 steps of the demo's schedule (its learning rate still high): a 400-step cosine decays before the
+  # run's fast phase and left 8.17 -> 4.36 on an AMD EPYC box, where the demo's own schedule gives 0.88-2.74 by
+  # step 400 over seeds 0-2.
   args = ["train", "--config", "configs/demo.py", "--out", out, "--config.train.steps=400",
-          "--config.optim.total_steps=400", "--config.train.eval_every=100"]
+          "--config.train.eval_every=100"]
   rc = cli.main(args)
   assert rc == 0
   recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]

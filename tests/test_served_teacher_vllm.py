@@ -250,9 +250,17 @@ def bf16_teacher(tiny, tmp_path_factory):
     yield t
 
 
+@pytest.fixture
+def job_token(monkeypatch):
+  """Attaching to a server this process started takes the job's token, as a user exports it."""
+  from opdjax.rollout.vllm import auth
+
+  monkeypatch.setenv(auth.TOKEN_ENV, auth.job_token())
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_an_fp32_served_teacher_equals_the_trainers_fp32_teacher(tiny, fp32_teacher):
+def test_an_fp32_served_teacher_equals_the_trainers_fp32_teacher(tiny, fp32_teacher, job_token):
   r, (want, full, mask) = fresh_rollout(tiny)
   assert np.std(want[mask]) > 0.3  # peaked, varied distributions: a flat or constant teacher would not pass
   got = fp32_teacher.score(r)
@@ -285,7 +293,7 @@ def test_an_fp32_served_teacher_equals_the_trainers_fp32_teacher(tiny, fp32_teac
     (0, V + 1, f"has a vocabulary of {V} tokens, the student's {V + 1}"),
     (0, V - 1, f"has a vocabulary of more than {V - 1} tokens, the student's {V - 1}"),
 ])
-def test_a_server_of_another_vocabulary_is_refused(fp32_teacher, topk, vocab, match):
+def test_a_server_of_another_vocabulary_is_refused(fp32_teacher, topk, vocab, match, job_token):
   url = fp32_teacher.urls[0]
   with pytest.raises(UserError, match=f"the teacher server at {url} {match}") as e:
     ServedTeacher(helpers.vllm_config(urls=url), "", max_len=MAX_LEN, batch_size=4, topk=topk, vocab_size=vocab,
@@ -295,7 +303,7 @@ def test_a_server_of_another_vocabulary_is_refused(fp32_teacher, topk, vocab, ma
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_bf16_served_teacher_deviates_and_refuses_k_above_its_max_logprobs(tiny, bf16_teacher):
+def test_a_bf16_served_teacher_deviates_and_refuses_k_above_its_max_logprobs(tiny, bf16_teacher, job_token):
   r, (want, _, mask) = fresh_rollout(tiny)
   delta = np.abs(bf16_teacher.score(r)["teacher_logprobs"] - want)[mask]
   assert 1e-3 < delta.max() < 0.5, delta.max()  # bf16's rounding shows, on the same model
