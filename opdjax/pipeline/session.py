@@ -25,7 +25,7 @@ from opdjax.rollout.deploy import Deployment, build, jax_engines, plan, serve_te
 from opdjax.rollout.jax.cache import EngineCache
 from opdjax.scoring.mismatch import exact_kl
 from opdjax.scoring.rescore import batch_from_rollout, masked_mean
-from opdjax.training.step import create_state, make_optimizer, make_train_step, train_step_shardings
+from opdjax.training.step import check_vocab, create_state, make_optimizer, make_train_step, train_step_shardings
 from opdjax.views.view import EngineView, ViewTransform
 
 ALGOS = ("opd", "grpo")
@@ -112,9 +112,7 @@ class Session:
       self.clean_teacher, self.clean_teacher_params = load_model("teacher", cfg, self.task)
       teacher_cfg = self.clean_teacher.cfg
     self.student, self.student_params = load_model("student", cfg, self.task)
-    if teacher_cfg.vocab_size != self.student.cfg.vocab_size:
-      raise UserError(f"student vocab_size={self.student.cfg.vocab_size} != teacher vocab_size="
-                      f"{teacher_cfg.vocab_size}: OPD needs one shared tokenizer; pick models from the same family.")
+    check_vocab(self.student.cfg.vocab_size, teacher_cfg.vocab_size)
     def note(trainer_mesh) -> str:  # the start-up line says where the engine samples
       if not self.engine_devices:
         return ""

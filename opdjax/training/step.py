@@ -171,10 +171,15 @@ def apply_gradients(state: TrainState, grads, metrics: dict, optimizer: optax.Gr
 
 
 def check_compatible(student: Model, teacher: Model | None) -> None:
-  if teacher is not None and student.cfg.vocab_size != teacher.cfg.vocab_size:
-    raise UserError(
-        f"student vocab_size={student.cfg.vocab_size} != teacher vocab_size="
-        f"{teacher.cfg.vocab_size}: OPD needs one shared tokenizer; pick models from the same family.")
+  if teacher is not None:
+    check_vocab(student.cfg.vocab_size, teacher.cfg.vocab_size)
+
+
+def check_vocab(student_vocab: int, teacher_vocab: int) -> None:
+  """One tokenizer for student and teacher (a served teacher's folder is checked with it too)."""
+  if student_vocab != teacher_vocab:
+    raise UserError(f"student vocab_size={student_vocab} != teacher vocab_size={teacher_vocab}: OPD needs one shared"
+                    " tokenizer; pick models from the same family.")
 
 
 def make_train_step(student: Model, teacher: Model, loss_cfg: LossConfig,
