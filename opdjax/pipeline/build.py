@@ -11,6 +11,7 @@ import numpy as np
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig, load_hf_params
 from opdjax.models.fetch import resolve
+from opdjax.rollout.vllm.teacher import URL_PREFIXES
 from opdjax.tasks.addition import AdditionTask
 from opdjax.tasks.demo_models import cached_sft_model
 from opdjax.tasks.prompts import PromptsTask
@@ -54,6 +55,13 @@ def prune_layers(model_cfg: ModelConfig, params, keep: str):
   return model_cfg.replace(num_layers=len(kept)), {**params, "layers": jax.tree.map(lambda x: x[idx], params["layers"])}
 
 
+def check_task_vocab(who: str, vocab_size: int, task) -> None:
+  """A model (`who`: the role, or a route's teacher) covers the task's tokenizer."""
+  if vocab_size < task.vocab_size:
+    raise UserError(f"{who} vocab_size={vocab_size} is smaller than the task's tokenizer ({task.vocab_size} tokens);"
+                    " use a model that matches the prompts' tokenizer.")
+
+
 def teacher_folder(cfg, task) -> tuple[str, ModelConfig]:
   """The HF folder a served teacher's servers load (teacher.serve='vllm') and its config, without keeping its
   params here: `teacher.path`, or the demo's cached teacher (built first when absent)."""
@@ -70,9 +78,7 @@ def teacher_folder(cfg, task) -> tuple[str, ModelConfig]:
     model_cfg = model.cfg
   else:
     raise UserError("teacher.path is empty: give an HF safetensors folder for the served teacher.")
-  if model_cfg.vocab_size < task.vocab_size:
-    raise UserError(f"teacher vocab_size={model_cfg.vocab_size} is smaller than the task's tokenizer"
-                    f" ({task.vocab_size} tokens); use a teacher that matches the prompts' tokenizer.")
+  check_task_vocab("teacher", model_cfg.vocab_size, task)
   return path, model_cfg
 
 
@@ -89,14 +95,11 @@ def route_targets(cfg, task) -> dict:
   task.check_tags([tag for tag, _ in table])
   out = {}
   for tag, target in table:
-    if target.startswith(("http://", "https://")):
+    if target.startswith(URL_PREFIXES):
       out[tag] = (None, target)
       continue
     folder = resolve(target)
-    vocab = ModelConfig.from_pretrained(folder).vocab_size
-    if vocab < task.vocab_size:
-      raise UserError(f"teacher.routes: the {tag!r} teacher's vocab_size={vocab} is smaller than the task's tokenizer"
-                      f" ({task.vocab_size} tokens); route the tag to a teacher of the student's family.")
+    check_task_vocab(f"teacher.routes' {tag!r} teacher", ModelConfig.from_pretrained(folder).vocab_size, task)
     out[tag] = (folder, None)
   return out
 
@@ -115,7 +118,5 @@ def load_model(role: str, cfg, task):
     model_cfg = model.cfg
   else:
     raise UserError(f"{role}.path is empty: give an HF safetensors folder for the {role}.")
-  if model_cfg.vocab_size < task.vocab_size:
-    raise UserError(f"{role} vocab_size={model_cfg.vocab_size} is smaller than the task's tokenizer"
-                     f" ({task.vocab_size} tokens); use a {role} that matches the prompts' tokenizer.")
+  check_task_vocab(role, model_cfg.vocab_size, task)
   return Model(model_cfg.replace(dtype=cfg.model.dtype), remat_policy=cfg.model.remat_policy), params

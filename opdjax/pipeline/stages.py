@@ -168,7 +168,7 @@ class OpdObjective:
         check.update(route_metrics(self.session.task.tags(refs), answer["teacher_logprobs"], batch["loss_mask"]))
       self.scored += 1
       if self.check_every and self.scored % self.check_every == 0:  # teacher.check_every: the served teacher's own
-        check = self.session.check_teacher(batch, answer)
+        check.update(self.session.check_teacher(batch, answer))
       batch = {**batch, **answer}
     if self.engine_scored:
       hidden = getattr(rollout, "teacher_hidden", None)

@@ -39,6 +39,7 @@ from opdjax.rollout.vllm.capability import check_fp8, gpu_capabilities
 from opdjax.rollout.vllm.engine import VllmEngineBase
 from opdjax.rollout.vllm.launch import check_attached, init_folder, make_vllm_engine, server_on_gpu, untied_head
 from opdjax.rollout.vllm.primary import PrimaryEngine
+from opdjax.rollout.vllm.teacher import URL_PREFIXES
 
 KINDS = ("jax", "vllm")
 
@@ -224,7 +225,7 @@ def _plan_teacher(cfg, processes: int):
   from opdjax.rollout.vllm.teacher import check_teacher_servers
 
   v = t.vllm
-  urls = v.attached or tuple(x for _, x in t.route_table if x.startswith(("http://", "https://")))
+  urls = v.attached or tuple(x for _, x in t.route_table if x.startswith(URL_PREFIXES))
   if urls:
     check_teacher_servers(urls, v.api_key, topk=cfg.loss.topk if cfg.loss.kind == "topk_rkl" else 0,
                           max_len=cfg.rollout.max_len)

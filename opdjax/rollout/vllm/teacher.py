@@ -30,6 +30,7 @@ from opdjax.rollout.vllm.client import ServerDown, VllmClient, VllmError, error_
 from opdjax.rollout.vllm.launch import check_base_url, make_vllm_server, servers_load_together
 
 UNNORMALISED_MODES = ("raw_logits", "processed_logits")
+URL_PREFIXES = ("http://", "https://")  # a teacher.routes target that is a running server, not a folder
 RETRIES = 2  # a connection error is tried again this many times (1 s, then 2 s later) before the run stops
 
 
