@@ -101,9 +101,13 @@ class ServedTeacher:
       body = {"prompt": [0], "max_tokens": 1, "logprobs": 1, "logprob_token_ids": [tok],
               "return_tokens_as_token_ids": True}  # (a server without a tokenizer answers log-probs only so)
       try:
-        status[tok], payload = http_json(client.url + "/v1/completions", body, bearer=client.bearer, timeout=60.0)
+        # A server's first completion may compile (bf16 kernels on a CPU took over 60 s under load in CI):
+        # the probe waits as long as any scoring request does.
+        status[tok], payload = http_json(client.url + "/v1/completions", body, bearer=client.bearer,
+                                         timeout=client.request_timeout_s)
       except (OSError, http.client.HTTPException) as e:
-        raise UserError(f"the {self.name} server at {client.url} stopped answering at start-up ({e}).") from None
+        raise UserError(f"the {self.name} server at {client.url} did not answer the vocabulary probe within"
+                        f" {client.request_timeout_s:.0f} s at start-up ({e}); check its log.") from None
       if status[tok] not in (200, 400):
         raise UserError(f"the {self.name} server at {client.url} answered the vocabulary probe with HTTP"
                         f" {status[tok]}: {error_message(payload)}")
