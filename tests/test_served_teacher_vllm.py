@@ -81,10 +81,11 @@ def bigram_answer(seqs, topk):
 
 
 class FakeClient:
-  """A VllmClient's surface: `config()`, `completions(body)` (a bigram teacher, after `down` connection errors)."""
+  """A VllmClient's surface: `config()`, `completions(body)`, `request_timeout_s` (a bigram teacher, after `down` connection errors)."""
 
   def __init__(self, url, api_key=None, *, model=None, down=0):
     self.url, self.bearer, self.down, self.calls = url, None, down, []
+    self.request_timeout_s = 600.0
     self.model = {"logprobs_mode": "processed_logprobs", "max_logprobs": 20, "max_model_len": 64, **(model or {})}
 
   def config(self):
