@@ -446,22 +446,30 @@ def weight_sync_table(r: dict) -> str:
   return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows), "", *notes])
 
 
+def _qwen_export(res: dict) -> str:
+  """The Qwen3-shaped model's export speedup, with the trainer's probe score when it ran export only."""
+  q, qp = res.get("qwen_export_speedup"), res.get("qwen_export_speedup_with_probe")
+  if not q:
+    return ""
+  return f"{qp:.2f}x with the trainer's probe score ({q:.2f}x without it)" if qp else f"{q:.2f}x"
+
+
 def weight_sync_headline(r: dict) -> str:
   res = r["result"]
-  q = res.get("qwen_export_speedup")
+  q = _qwen_export(res)
   return (f"SmolLM2 update with its reload probe, today's path / shard-wise bf16: **{res['speedup_with_probe']:.2f}x**"
           f" (probe {res['probe_s']:.3f} s; {res['speedup']:.2f}x without it)"
-          + (f"; Qwen3-1.7B-shaped export: {q:.2f}x" if q else ""))
+          + (f"; Qwen3-1.7B-shaped export: {q}" if q else ""))
 
 
 def weight_sync_line(r: dict) -> str:
   """The README's sentence."""
   res = r["result"]
-  q = res.get("qwen_export_speedup")
+  q = _qwen_export(res)
   return (f"a SmolLM2 update with its reload probe {res['speedup_with_probe']:.2f}x the speed of the fp32 whole-model"
           f" path (probe {res['probe_s']:.2f} s, {res['speedup']:.2f}x without it; vLLM's own reload,"
           f" {res['models'][0]['new_reload_s']:.2f} s, does not shrink)"
-          + (f", the export of a Qwen3-1.7B-shaped model {q:.1f}x" if q else ""))
+          + (f", the export of a Qwen3-1.7B-shaped model {q}" if q else ""))
 
 
 # ---------------------------------------------------------------- the registry
