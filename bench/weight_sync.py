@@ -218,7 +218,7 @@ def main():
     free = mem_available()
     layers = args.qwen_layers or min(full.num_layers, int((0.6 * free / 3 - embed) // per_layer))
     if args.qwen_layers < 0:
-      pass
+      skipped.append("Qwen3-1.7B-shaped model left out (--qwen-layers -1)")
     elif layers < 1:  # a shared machine: never more than 60% of what is free
       skipped.append(f"Qwen3-1.7B-shaped model skipped: one layer needs {3 * (embed + per_layer) / GB:.1f} GB"
                      f" (today's path), {free / GB:.1f} GB were free")

@@ -26,10 +26,10 @@ server's first probe (no previous answer).
 
 Trainer side (`compile_probe`, called by the exporter on every trainer process): the greedy
 continuation and its fp32 log-probs with the export dtype's rounding, each layer's weights rounded
-as the layer scan reaches them (rounding the whole model first wrote a fresh fp32 copy of it: SmolLM2's
-score took 0.75 s alone on 2 cores, 0.16 s now). Server side (`check_probe`, process 0's engine): each server's scores
-against the trainer's and its own previous ones, one error or warning naming the server, the step
-and the differences.
+as the layer scan reaches them (rounding the whole model first wrote a fresh fp32 copy of it:
+SmolLM2's score took 0.75 s alone on 2 cores, 0.16 s now). Server side (`check_probe`, process 0's
+engine): each server's scores against the trainer's and its own previous ones, one error or warning
+naming the server, the step and the differences.
 """
 
 from __future__ import annotations
