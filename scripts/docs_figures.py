@@ -206,10 +206,16 @@ def recorded_table(view: str, columns: tuple[str, ...] = ()) -> Callable[[dict],
 
 
 def collect_ttq(run: str) -> dict:
-  """scripts/time_to_quality.py's JSON, each run without its curve (the PNG has them)."""
-  r = json.load(open(os.path.join(run, "time_to_quality.json")))
-  r["runs"] = [{k: v for k, v in x.items() if k not in ("curve", "overlap_efficiency_steps")} for x in r["runs"]]
-  return r
+  """scripts/time_to_quality.py's JSON as it wrote it: each run keeps its curve (`runs[*].curve`, a list of
+  {step, wall_s, accuracy, reverse_kl}), which the PNG is drawn from."""
+  return json.load(open(os.path.join(run, "time_to_quality.json")))
+
+
+def plot_ttq(result: dict, path: str) -> str:
+  """scripts/time_to_quality.py's own figure (imported here only: one drawing of the curves)."""
+  import time_to_quality
+
+  return time_to_quality.plot(result["runs"], path)
 
 
 def _seeds(vals, fmt="{:.1f}") -> str:
@@ -369,6 +375,11 @@ def _recorded(command: str, *views: str) -> Figure:
   return Figure((command,), None, {v: recorded_table(v) for v in views})
 
 
+def _ttq_view(old: Callable[[dict], str], new: Callable[[dict], str]) -> Callable[[dict], str]:
+  """The recorded tables of time_to_quality.json until it is re-measured, then the run's own."""
+  return lambda r: old(r) if recorded(r) else new(r)
+
+
 def _jsonl(name: str) -> Callable[[str], dict]:
   return lambda run: {"records": [json.loads(line) for line in open(os.path.join(run, name)) if line.strip()]}
 
@@ -380,8 +391,17 @@ def scaling_tables(r: dict) -> str:
   return plan_table.markdown_of(r["result"]["records"])
 
 
+def recorded(r: dict) -> bool:
+  """A result file transcribed from an older table or output ("as recorded at commit X"), not re-measured."""
+  return r["measured"] != "fresh run"
+
+
+def recorded_tag(r: dict) -> str:
+  return f"recorded at commit {r['commit']} on {r['date']}, not re-measured"
+
+
 def provenance(r: dict) -> str:
-  when = r["measured"] if r["measured"] != "fresh run" else f"{r['date']}, commit {r['commit']}"
+  when = recorded_tag(r) if recorded(r) else f"{r['date']}, commit {r['commit']}"
   load = f"; {r['load']}" if r.get("load") else ""  # a timing says its load
   return f"`{' && '.join(r['command'])}` ({when}; {r['machine']}{load})"
 
@@ -422,6 +442,7 @@ class Figure:
   env: dict[str, str] = field(default_factory=dict)
   note: str = ""                       # how the command ran, kept in the result file
   images: tuple = ()                   # (path, plot(result, path)): PNGs drawn from the result by --refresh
+                                       # and --render, compared with a re-drawing by --check
 
 
 def kv_last(key: str, fmt: str) -> Callable[[dict], str]:
@@ -491,14 +512,19 @@ FIGURES: dict[str, Figure] = {
                                  "table"),
     "admission_validate": _recorded("python scripts/validate_admission.py --out DIR", "table"),
     "opd_grpo": _recorded("python scripts/compare_opd_grpo.py --out DIR", "table", "tis"),
-    "time_to_quality": Figure(("python scripts/time_to_quality.py --out DIR",), None, {
-        "runs": recorded_table("runs"), "speedups": recorded_table("speedups"),
-        "bench": recorded_table("runs", ("configuration", "reached acc 0.95", "s for 800 steps",
-                                         "process CPU s / wall s"))}),
+    # Recorded tables today; a run of the command (`--refresh time_to_quality [--from DIR]`) keeps runs[*].curve
+    # and renders through ttq_table and draws the PNG.
+    "time_to_quality": Figure(("python scripts/time_to_quality.py --out {out}",), collect_ttq, {
+        "runs": _ttq_view(recorded_table("runs"), ttq_table),
+        "speedups": _ttq_view(recorded_table("speedups"), ttq_speedups),
+        "bench": _ttq_view(recorded_table("runs", ("configuration", "reached acc 0.95", "s for 800 steps",
+                                                   "process CPU s / wall s")), ttq_table)},
+        images=(("docs/figures/time_to_quality.png", plot_ttq),)),
     "ttq_disaggregated": Figure(("python scripts/time_to_quality.py --out {out}",), collect_ttq,
                                 {"table": ttq_table, "speedups": ttq_speedups}),
     "ttq_teacher_engine": Figure(("python scripts/time_to_quality.py --teacher-scoring engine --out {out}",),
-                                 collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
+                                 collect_ttq, {"table": ttq_table, "speedups": ttq_speedups},
+                                 images=(("docs/figures/time_to_quality_disaggregated.png", plot_ttq),)),
     "ttq_worked": Figure(("python scripts/time_to_quality.py --config configs/demo_worked.py --out {out}",),
                          collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
     "smollm2_vllm_async": Figure(tuple(
@@ -528,4 +554,31 @@ FIGURES: dict[str, Figure] = {
     "kv_qwen3_1p7b_block": _kv("qwen3-1.7b", 72, "27", "--recipe fp8_block --keep-edge-layers 1"),
     "kv_qwen3_8b_72": _kv("qwen3-8b", 72, "0,35"),
     "kv_qwen3_8b_21": _kv("qwen3-8b", 21.6, "0,35"),
+}
+
+
+# PNGs in docs/figures that no result file can redraw: the command that drew them kept only a rendered table
+# in its result file (or stripped the curves), and its raw output is gone. --check accepts exactly these;
+# re-measuring with `--refresh NAME` (a Figure with `images`) takes one off the list.
+NOT_REBUILDABLE: dict[str, str] = {
+    "docs/figures/admission_budget.png": "drawn by `opdjax calibrate` (commit 8636499); admission_calibrate.json"
+                                         " keeps only its table",
+    "docs/figures/admission_validation.png": "drawn by scripts/validate_admission.py (commit 15bdbfe);"
+                                             " admission_validate.json keeps only its table",
+    "docs/figures/opd_grpo_accuracy.png": "drawn by scripts/compare_opd_grpo.py (commit 8636499); opd_grpo.json"
+                                          " keeps only its tables",
+    "docs/figures/sensitivity_demo.png": "drawn by `opdjax sensitivity` (commit 8636499); sensitivity_demo.json"
+                                         " keeps only its ranking table",
+    "docs/figures/sensitivity_demo_recipe.png": "drawn by `opdjax sensitivity` (commit 8636499);"
+                                                " sensitivity_demo.json keeps only its ranking table",
+    "docs/figures/sensitivity_smollm2.png": "drawn by `opdjax sensitivity --config configs/smollm2_sensitivity.py`"
+                                            " (commit 8636499); sensitivity_smollm2.json keeps only its tables",
+    "docs/figures/sensitivity_smollm2_recipe.png": "drawn by `opdjax sensitivity --config"
+                                                   " configs/smollm2_sensitivity.py` (commit 8636499);"
+                                                   " sensitivity_smollm2.json keeps only its tables",
+    "docs/figures/time_to_quality.png": "drawn by scripts/time_to_quality.py (commit 51373df);"
+                                        " time_to_quality.json keeps only its tables (no runs[*].curve)",
+    "docs/figures/time_to_quality_disaggregated.png": "drawn by scripts/time_to_quality.py --teacher-scoring"
+                                                      " engine (commit 99f9d38); ttq_teacher_engine.json was"
+                                                      " collected without runs[*].curve",
 }
