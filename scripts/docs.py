@@ -330,7 +330,10 @@ def render_all(root: str) -> list[str]:
     for name, fig in FIGURES.items():
       if fig.images and os.path.isfile(result_path(root, name)) and \
           not any(p in NOT_REBUILDABLE for p, _ in fig.images) and _drawable(name, load_result(root, name), tmp):
-        changed += [os.path.relpath(p, root) for p in draw(root, name, load_result(root, name))]
+        before = {p: open(os.path.join(root, p), "rb").read() for p, _ in fig.images
+                  if os.path.isfile(os.path.join(root, p))}
+        changed += [os.path.relpath(p, root) for p in draw(root, name, load_result(root, name))
+                    if open(p, "rb").read() != before.get(os.path.relpath(p, root))]
   return changed
 
 

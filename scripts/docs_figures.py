@@ -213,8 +213,11 @@ def collect_ttq(run: str) -> dict:
 
 def plot_ttq(result: dict, path: str) -> str:
   """scripts/time_to_quality.py's own figure (imported here only: one drawing of the curves)."""
-  import time_to_quality
+  before = os.environ.get("JAX_NUM_CPU_DEVICES")
+  import time_to_quality  # sets JAX_NUM_CPU_DEVICES for its own runs: not for this process's children
 
+  if before is None:
+    os.environ.pop("JAX_NUM_CPU_DEVICES", None)
   return time_to_quality.plot(result["runs"], path)
 
 
@@ -373,6 +376,31 @@ def reproduction_evidence(r: dict) -> str:
 def _recorded(command: str, *views: str) -> Figure:
   """A figure not re-measured since its numbers were written: --refresh refuses, --check still compares."""
   return Figure((command,), None, {v: recorded_table(v) for v in views})
+
+
+def schedule_worked(r: dict) -> str:
+  """README's worked example: the 4 / 12 split `opdjax plan --schedule` predicts, against the best and 8 / 8."""
+  res = r["result"]
+  split = {s["rollout_devices"]: s for s in res["splits"]}
+  chosen, best, half = split[4], res["best_async"], split[8]
+  return (f"predicts at {chosen['async_k1_s']:.2f} s a step on H100s (predicted, not measured:"
+          f" {chosen['sync_disaggregated_s']:.2f} s synchronous on the same split; the best split,"
+          f" {best['rollout_devices']} / {best['trainer_devices']}, {best['async_k1_s']:.2f} s, splits no node evenly;"
+          f" 8 / 8, a node of sidecars, {half['async_k1_s']:.2f} s)")
+
+
+def reproduction_summary(r: dict) -> str:
+  """One line of the last run: its wall time, and each claim's outcome."""
+  import reproduce  # scripts/ (no jax import)
+
+  res, by = r["result"], {}
+  for num, _, _ in reproduce.CLAIMS:
+    c = res["claims"].get(num)
+    by.setdefault(c.get("label", c["verdict"]) if c else "not run", []).append(num)
+  said = lambda nums: nums[0] if len(nums) == 1 else f"{', '.join(nums[:-1])} and {nums[-1]}"  # noqa: E731
+  outcomes = "; ".join(f"claim{'s' * (len(n) > 1)} {said(n)} {'held' if o == 'holds' else o}" for o, n in by.items())
+  minutes = sum(v["wall_s"] for v in res["stages"].values()) / 60
+  return f"{minutes:.0f} minutes ({'complete' if res['complete'] else 'incomplete'}): {outcomes}"
 
 
 def _ttq_view(old: Callable[[dict], str], new: Callable[[dict], str]) -> Callable[[dict], str]:
@@ -534,7 +562,11 @@ FIGURES: dict[str, Figure] = {
         collect_sync_async, {"line": sync_async_line}),
     "reproduction_smollm2": Figure(("python scripts/reproduce.py --task smollm2 --out {out}",),
                                    _read_json("reproduction.json"),
-                                   {"table": reproduction_table, "evidence": reproduction_evidence}),
+                                   {"table": reproduction_table, "evidence": reproduction_evidence,
+                                    "summary": reproduction_summary}),
+    "plan_schedule": Figure(("opdjax plan --schedule --teacher qwen3-8b --student qwen3-1.7b --devices 16 --batch 240"
+                             " --prompt-len 512 --seq-len 1024 --fp8 --device h100-sxm --json {out}/schedule.json",),
+                            _read_json("schedule.json"), {"worked": schedule_worked}),
     "reproduction_addition": Figure(("python scripts/reproduce.py --task addition --out {out}",),
                                     _read_json("reproduction.json"),
                                     {"table": reproduction_table, "evidence": reproduction_evidence}),
