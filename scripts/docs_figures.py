@@ -373,9 +373,14 @@ def reproduction_evidence(r: dict) -> str:
   return "\n".join(out)
 
 
-def _recorded(command: str, *views: str) -> Figure:
+def transcribed(key: str) -> Callable[[dict], str]:
+  """A line of text kept as written then (a headline, a bench script's JSON line): {"lines": {key: text}}."""
+  return lambda r: r["result"]["lines"][key]
+
+
+def _recorded(command: str, *views: str, lines: tuple[str, ...] = ()) -> Figure:
   """A figure not re-measured since its numbers were written: --refresh refuses, --check still compares."""
-  return Figure((command,), None, {v: recorded_table(v) for v in views})
+  return Figure((command,), None, {**{v: recorded_table(v) for v in views}, **{k: transcribed(k) for k in lines}})
 
 
 def schedule_worked(r: dict) -> str:
@@ -570,14 +575,18 @@ FIGURES: dict[str, Figure] = {
     "reproduction_addition": Figure(("python scripts/reproduce.py --task addition --out {out}",),
                                     _read_json("reproduction.json"),
                                     {"table": reproduction_table, "evidence": reproduction_evidence}),
-    "bench_opd_step": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE", "table"),
-    "bench_rollout": _recorded("PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE", "table"),
-    "bench_rollout_vllm": _recorded("PYTHONPATH=. python bench/rollout_vllm.py --out FILE", "table"),
-    "bench_compile": _recorded("PYTHONPATH=. python bench/compile.py", "table"),
-    "bench_decode_fill": _recorded("PYTHONPATH=. python bench/decode_fill.py", "table"),
+    "bench_opd_step": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE", "table",
+                                lines=("headline", "record")),
+    "bench_rollout": _recorded("PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE", "table",
+                               lines=("headline", "record")),
+    "bench_rollout_vllm": _recorded("PYTHONPATH=. python bench/rollout_vllm.py --out FILE", "table",
+                                    lines=("headline", "record")),
+    "bench_compile": _recorded("PYTHONPATH=. python bench/compile.py", "table", lines=("headline", "before", "after")),
+    "bench_decode_fill": _recorded("PYTHONPATH=. python bench/decode_fill.py", "table", lines=("record",)),
     "bench_cpu_paths": Figure(("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE",
                                "PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE"), None,
-                              {"table": recorded_table("table")}),
+                              {"table": recorded_table("table"), "opd_step": transcribed("opd_step"),
+                               "rollout": transcribed("rollout")}),
     "served_teacher": Figure(("python bench/served_teacher.py --out {out}/served_teacher.json",),
                              _read_json("served_teacher.json"), {"table": served_teacher_table},
                              env={"PYTHONPATH": "."}),

@@ -75,6 +75,15 @@ PROSE: dict[str, dict[str, str]] = {
         "in at most 10 minutes cold": "bench/gpu_suite.sh's budget", "the 25 minutes it should take": "the target",
         "at most one per 8 GiB and 4 in all": "tests/conftest.py's rule",
     },
+    "BENCHMARKS.md": {  # the issue's targets, and the bench scripts' settings
+        "OPD train step >= 1.5x PyTorch eager's": "the issue's target",
+        "at <= half its 49.8 GiB peak; rollout >= 20x HF generate's ~975 tokens/s": "the issue's target",
+        "OPD step >= 1.5x PyTorch eager and >= 42,700 tokens/s, at <= 0.5x its peak memory": "the issue's target",
+        "OPD step MFU >= 40%": "the issue's target", "rollout >= 20x HF generate, >= 19,500 new tokens/s":
+            "the issue's target", "FP8 engine decode >= 1.3x bf16 decode": "the issue's target",
+        "decode step at 10% / 90% of a 4096-slot cache": "bench/decode_fill.py's fills",
+        "at most 8 minutes": "bench/gpu_suite.sh's budget", "(target <= 1.5x)": "the issue's target",
+    },
 }
 
 # (page, heading): sections whose numbers another change is moving into markers; temporary.
