@@ -8,7 +8,8 @@ A figure lives between marker comments, inline or as a block of lines:
 measured) and `line` one of its renderers (the registry: scripts/docs_figures.py); `NAME.provenance`
 works for every NAME.
 
-  python scripts/docs.py --check                    # every block equals its rendering (CI)
+  python scripts/docs.py --check                    # every block equals its rendering, every PNG its
+                                                    # drawing, no number outside markers (CI)
   python scripts/docs.py --check --demo-run DIR     # ... and the README's demo line equals that run's
   python scripts/docs.py --refresh NAME [--from DIR]  # rerun NAME's command (or read DIR), rewrite
                                                        # its result file, its PNGs and the docs
@@ -16,7 +17,13 @@ works for every NAME.
   python scripts/docs.py --list                     # the registry
 
 A figure that could not be re-measured keeps its numbers in a result file whose `measured` says
-"as recorded at commit X": single-sourced and checked, and `--refresh` re-measures it.
+"as recorded at commit X": single-sourced and checked, rendered with "recorded at commit X on DATE, not
+re-measured" beside it, and `--refresh` re-measures it.
+
+A PNG in docs/figures is drawn from its result file (a Figure's `images`) by --refresh and --render, carries
+the digest of the data it was drawn from, and --check compares it with a re-drawing; the ones no result file
+can draw are listed, with why, in docs_figures.NOT_REBUILDABLE. A number in the docs outside the markers
+fails --check unless scripts/docs_numbers.py calls it a constant or docs/unsourced.txt still lists its line.
 """
 
 from __future__ import annotations
