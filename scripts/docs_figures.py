@@ -483,10 +483,35 @@ def kv_last(key: str, fmt: str) -> Callable[[dict], str]:
   return lambda r: fmt.format(r["result"]["rows"][-1][key])
 
 
+def mismatch_training(r: dict) -> str:
+  res = r["result"]
+  p, c = res["perturbed"], res["clean"]
+  return (f"reached held-out reverse KL {p['reverse_kl']:.2f} and accuracy {p['accuracy']:.3f}; the clean on-policy"
+          f" run reached {c['reverse_kl']:.2f} and {c['accuracy']:.3f}")
+
+
+def decode_fill_ratios(r: dict) -> str:
+  """The bench script's JSON line (transcribed with the table): the 10% / 90% step-time ratio, after and before."""
+  rec = json.loads(r["result"]["lines"]["record"].strip("`"))
+  return (f"{rec['after']['cpu_ratio']:.2f}x the 90% step time at 10%, against {rec['before']['cpu_ratio']:.1f}x"
+          " before")
+
+
+def kv_fp8_weights(r: dict) -> str:
+  """What FP8 weights add: the BF16 weights' share of the memory, what FP8 saves, the tokens it adds."""
+  res = r["result"]
+  row = {(x["weights"], x["kv"]): x for x in res["rows"]}
+  bf16, fp8 = row["bf16", "bf16"], row["fp8", "bf16"]
+  return (f"weights are {bf16['weight_gib'] / res['memory_gib']:.0%} of it, so FP8 weights"
+          f" (−{bf16['weight_gib'] - fp8['weight_gib']:.2f} GiB) add"
+          f" {fp8['kv_tokens'] / bf16['kv_tokens'] - 1:.0%} tokens")
+
+
 def _kv(model: str, memory: float, layers: str, *extra: str) -> Figure:
   cmd = f"opdjax kv-capacity --model {model} --memory-gib {memory} --kv-bf16-layers {layers} {' '.join(extra)}"
   return Figure((cmd.strip() + " --json {out}/kv.json",), _read_json("kv.json"), {"table": kv_table,
-                "last_gib": kv_last("weight_gib", "{:.3f} GiB"), "last_ratio": kv_last("kv_tokens_ratio", "{:.3f}x")})
+                "last_gib": kv_last("weight_gib", "{:.3f} GiB"), "last_ratio": kv_last("kv_tokens_ratio", "{:.3f}x"),
+                "fp8_weights": kv_fp8_weights})
 
 
 PSR = prefix_shift_report
@@ -582,7 +607,11 @@ FIGURES: dict[str, Figure] = {
     "bench_rollout_vllm": _recorded("PYTHONPATH=. python bench/rollout_vllm.py --out FILE", "table",
                                     lines=("headline", "record")),
     "bench_compile": _recorded("PYTHONPATH=. python bench/compile.py", "table", lines=("headline", "before", "after")),
-    "bench_decode_fill": _recorded("PYTHONPATH=. python bench/decode_fill.py", "table", lines=("record",)),
+    "bench_decode_fill": Figure(("PYTHONPATH=. python bench/decode_fill.py",), None,
+                               {"table": recorded_table("table"), "record": transcribed("record"),
+                                "ratios": decode_fill_ratios}),
+    "mismatch_training": Figure(("opdjax train --config configs/demo.py --out DIR --config.train.steps=300"
+                                 " --config.rollout.view=VIEW",), None, {"line": mismatch_training}),
     "bench_cpu_paths": Figure(("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE",
                                "PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE"), None,
                               {"table": recorded_table("table"), "opd_step": transcribed("opd_step"),

@@ -75,6 +75,51 @@ PROSE: dict[str, dict[str, str]] = {
         "in at most 10 minutes cold": "bench/gpu_suite.sh's budget", "the 25 minutes it should take": "the target",
         "at most one per 8 GiB and 4 in all": "tests/conftest.py's rule",
     },
+    "docs/kv_capacity.md": {  # the formula, its arithmetic, the CLI's defaults and the models' shapes
+        "--memory-gib 72 --kv-bf16-layers 27": "a command", "(2 for BF16, 1 for FP8)": "bytes an element",
+        "Σ_l 2 · K · E · b_l": "the formula", "one of 28": "Qwen3-1.7B's layers",
+        "layers gives 56/29 = 1.931, the paper's ≥ 1.93x": "the formula's arithmetic; the paper's figure",
+        "BF16: 2 bytes a parameter": "the format", "1 byte a parameter": "the format",
+        "80 x 0.9 = 72": "vLLM's default, arithmetic", "(default 5% of M)": "the CLI's default",
+        "(default 0)": "the CLI's default", "(default 16, vLLM's GPU default; vLLM's CPU backend uses 128)":
+            "the defaults", "(exit 2, one line)": "the CLI's exit status", "block size 16": "the default",
+        "80 GB x 0.9 = 72 GiB, default 5% reserve (3.6 GiB), block 16": "the settings of the tables below",
+        "30 layers, 3 KV heads of 64, tied), layer 0's KV": "SmolLM2-135M's shape",
+        "28 layers, 8 KV heads of 128, tied": "Qwen3-1.7B's shape", "2·28/29 = 1.931": "the formula",
+        "At 72 GiB": "the setting", "(128x128 scales, two BF16 layers)": "the recipe",
+        "(36 layers, untied; layers 0 and 35 in BF16 KV, ratio 72/38 = 1.895)": "Qwen3-8B's shape, the formula",
+        "72 GiB:": "the setting", "21.6 GiB (24 GB x 0.9):": "the setting",
+        "(4 layers, 2 KV heads of": "the test's model", "32, BF16) under BF16, FP8 and FP8 with layer 0 skipped":
+            "the test's model", "on 1 GiB": "the test's memory", "CPU, block size 128,": "the setting",
+        "vLLM 0.32's code": "the pinned version", "16 → 32 tokens": "vLLM's block sizes (read from its code)",
+    },
+    "docs/mismatch.md": {  # the metrics' formulas and what they equal without mismatch
+        "can be < 0 on a batch": "a property of the estimator", "mean(e^r - r - 1)": "the formula",
+        ">= 0 per token": "a property of the estimator", "(1 = none)": "the value without mismatch",
+        "mean(e^(2 r_c)) - 1, r_c = clip(r, -20, 20)": "the formula", "e^(2 clip(Σ_t r_t)) - 1": "the formula",
+        "(Σ w)^2 / (n Σ w^2)": "the formula", "(1 = no mismatch)": "the value without mismatch",
+        "log-probs to 1e-4, tested": "the test's tolerance", "uses scale 1 as vLLM does": "the setting",
+        "(commit 8636499)": "a commit", "for 300 steps (same seed and schedule)": "the runs' setting",
+    },
+    "docs/served_teacher.md": {  # settings, versions, tolerances the tests assert, the loss's constants
+        "; 0: never": "the config value", "max(K, 1)": "the setting", "vLLM 0.32": "the pinned version",
+        "at **temperature 1**": "the setting", "T = 1 distribution": "the setting", "other than 1": "the setting",
+        "the test's 1e-4": "the test's tolerance", "(sums to 1 within 1e-4)": "the test's tolerance",
+        "within 1e-4 relative (the test)": "the test's tolerance", "the teacher's is 1 - Σ_S p_t": "the formula",
+        "= 1e-6": "TAIL_FLOOR", "both of order 10, so it carries an absolute error of about 1e-6":
+            "the floor's reason (float32 arithmetic)", "log(p_s(tail) / 1e-6)": "the formula",
+        "log(1e-6 / true tail)": "the formula", "stays below 1e-4": "the test's tolerance",
+        "exceeds 1e-3": "the test's threshold", "k > 0": "the flag's range",
+        "async k = 1 equals the synchronous lag = 1 run": "the test's settings",
+        "retried twice, 1 s and 2 s apart": "the client's retry schedule",
+    },
+    "docs/gpu.md": {  # hardware facts and the engine's settings
+        "a multiple of 8 up to 256 (Qwen3: 128)": "cuDNN's constraint", "position 0": "an index",
+        "512 slots, doubling up to the cache size (a 4096-slot cache: 512, 1024, 2048, 4096)": "the windows",
+        "A cache of 512 slots or fewer (the rollout benchmark's 384)": "the windows; the bench's setting",
+        "8.9 (no FP8 tensor cores)": "the compute capability", "the step at 10% and 90% fill": "the bench's fills",
+        "(H100/H200 SXM: 989 TFLOP/s)": "the datasheet",
+    },
     "BENCHMARKS.md": {  # the issue's targets, and the bench scripts' settings
         "OPD train step >= 1.5x PyTorch eager's": "the issue's target",
         "at <= half its 49.8 GiB peak; rollout >= 20x HF generate's ~975 tokens/s": "the issue's target",
@@ -123,7 +168,7 @@ def _prose(line: str) -> str:
   line = re.sub(r"\]\([^)]*\)", "]", line)
   line = re.sub(r"https?://\S+", " ", line)
   line = re.sub(r"^\s*(?:#+|\d+\.|[-*+])\s+", "", line)  # a heading's or list item's marker
-  return re.sub(r"(\d),(\d{3})(?!\d)", r"\1\2", line)  # 1,261 is one number
+  return re.sub(r"\d{1,3}(?:,\d{3})+(?!\d)", lambda m: m.group().replace(",", ""), line)  # 1,048,576: one number
 
 
 def numbers(line: str) -> list[str]:

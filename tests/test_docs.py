@@ -226,3 +226,11 @@ def test_a_time_to_quality_result_with_curves_draws_its_png(tmp_path, capsys, mo
   assert f"{png}: not drawn from docs/results/ttq_teacher_engine.json" in capsys.readouterr().err
   assert docs.main(["--render", "--root", str(root)]) == 0
   assert docs.main(["--check", "--root", str(root)]) == 0, capsys.readouterr().err
+
+
+def test_a_prose_phrase_lets_through_only_its_own_numbers(monkeypatch):
+  dn = docs.docs_numbers
+  monkeypatch.setitem(dn.PROSE, "page.md", {"Runs 1200 OPD steps": "the config"})
+  text = "Runs 1200 OPD steps in 41 s.\nRuns 1200 OPD steps.\n"
+  assert dn.unmarked(text, "page.md") == [(1, "Runs 1200 OPD steps in 41 s.", ["41"])]
+  assert [n for _, _, n in dn.unmarked(text, "other.md")] == [["1200", "41"], ["1200"]]
