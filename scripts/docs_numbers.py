@@ -27,7 +27,11 @@ import re
 # its reason; the phrase must occur verbatim on the line, and only its own numbers are let through. A
 # measurement never goes here: it goes between markers.
 PROSE: dict[str, dict[str, str]] = {
-    "*": {},
+    "*": {  # the objective's settings, named the same way on every page
+        "T = 1": "the temperature the objective is defined at", "T = 0": "greedy", "T ≠ 1": "the setting",
+        "T → 1": "the setting", "C = 2": "the TIS/MIS threshold's default", "(w = 1)": "the weight without TIS",
+        "temperature 1": "the sampling setting", "(commit 8636499": "a commit",
+    },
     "README.md": {
         # the demo's config (configs/demo.py) and the check that grades its run (scripts/check_demo.py)
         "only 100 steps": "the demo teacher's training, configs/demo.py",
