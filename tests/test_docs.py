@@ -134,6 +134,7 @@ def test_the_forms_of_a_constant_are_not_numbers_and_a_measurement_is():
       ["1.5", "1.6x", "3", "3", "1261", "17%", "2.2e-05"]
 
 
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
 def test_a_number_outside_markers_fails_naming_file_line_and_number(tmp_path, capsys):
   root = _copy(tmp_path)
   page = root / "docs" / "mismatch.md"
@@ -150,6 +151,7 @@ def test_a_number_outside_markers_fails_naming_file_line_and_number(tmp_path, ca
   assert docs.main(["--check", "--root", str(root)]) == 0, capsys.readouterr().err
 
 
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
 def test_an_edited_ledger_line_fails_and_its_stale_entry_too(tmp_path, capsys):
   root = _copy(tmp_path)
   ledger = [line.split() for line in open(root / "docs" / "unsourced.txt") if not line.startswith("#")]
@@ -168,6 +170,7 @@ def test_an_edited_ledger_line_fails_and_its_stale_entry_too(tmp_path, capsys):
 PNG = "docs/figures/prefix_shift_divergence.png"
 
 
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
 def test_a_png_that_is_not_its_result_files_drawing_fails(tmp_path, capsys):
   root = _copy(tmp_path)
   # another drawing of the same result, so it carries the right data digest: the pixels tell
@@ -178,6 +181,7 @@ def test_a_png_that_is_not_its_result_files_drawing_fails(tmp_path, capsys):
   assert docs.main(["--check", "--root", str(root)]) == 0, capsys.readouterr().err
 
 
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
 def test_a_png_drawn_from_other_data_fails(tmp_path, capsys):
   root = _copy(tmp_path)
   path = root / "docs" / "results" / "prefix_shift.json"
@@ -188,6 +192,7 @@ def test_a_png_drawn_from_other_data_fails(tmp_path, capsys):
   assert f"{PNG}: not drawn from docs/results/prefix_shift.json as it is now" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
 def test_a_png_no_result_file_draws_fails(tmp_path, capsys):
   root = _copy(tmp_path)
   shutil.copy(root / PNG, root / "docs" / "figures" / "new_plot.png")
@@ -205,6 +210,7 @@ def test_every_figure_from_a_recorded_result_says_so_where_it_is_rendered():
             (p, b.line, b.name)
 
 
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
 def test_a_time_to_quality_result_with_curves_draws_its_png(tmp_path, capsys, monkeypatch):
   """time_to_quality.py's runs[*].curve is what the PNG is drawn from: a result that has them can no longer
   sit in NOT_REBUILDABLE, and once drawn its PNG is checked like any other."""
