@@ -8,7 +8,8 @@ A figure lives between marker comments, inline or as a block of lines:
 measured) and `line` one of its renderers (the registry: scripts/docs_figures.py); `NAME.provenance`
 works for every NAME.
 
-  python scripts/docs.py --check                    # every block equals its rendering (CI)
+  python scripts/docs.py --check                    # every block equals its rendering, every PNG its
+                                                    # drawing, no number outside markers (CI)
   python scripts/docs.py --check --demo-run DIR     # ... and the README's demo line equals that run's
   python scripts/docs.py --refresh NAME [--from DIR]  # rerun NAME's command (or read DIR), rewrite
                                                        # its result file, its PNGs and the docs
@@ -16,7 +17,13 @@ works for every NAME.
   python scripts/docs.py --list                     # the registry
 
 A figure that could not be re-measured keeps its numbers in a result file whose `measured` says
-"as recorded at commit X": single-sourced and checked, and `--refresh` re-measures it.
+"as recorded at commit X": single-sourced and checked, rendered with "recorded at commit X on DATE, not
+re-measured" beside it, and `--refresh` re-measures it.
+
+A PNG in docs/figures is drawn from its result file (a Figure's `images`) by --refresh and --render, carries
+the digest of the data it was drawn from, and --check compares it with a re-drawing; the ones no result file
+can draw are listed, with why, in docs_figures.NOT_REBUILDABLE. A number in the docs outside the markers
+fails --check unless scripts/docs_numbers.py calls it a constant or docs/unsourced.txt still lists its line.
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]  # opdjax's table code (no jax import)
-from docs_figures import FIGURES, DocsError, collect_run, provenance  # noqa: E402
+import docs_figures as df  # noqa: E402
+import docs_numbers  # noqa: E402
+from docs_figures import FIGURES, NOT_REBUILDABLE, DocsError, collect_run, provenance  # noqa: E402
 
 from opdjax.analyses import reporting  # noqa: E402
 
@@ -129,9 +138,84 @@ def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
        "result": result}
   r["digest"] = reporting.record_digest(r)
   reporting.write_json(result_path(root, name), r)
-  for path, plot in fig.images:  # not compared by --check (PNG bytes vary with matplotlib), redrawn here
-    plot(r["result"], os.path.join(root, path))
+  draw(root, name, r)
   return r
+
+
+# ---------------------------------------------------------------- PNGs drawn from result files
+PNG_KEY = "opdjax-result-digest"  # the PNG's text chunk: the digest of the result it was drawn from
+PIXEL_TOLERANCE = 8  # of 255, a channel: antialiasing may move; a changed curve moves far more
+
+
+def draw(root: str, name: str, r: dict, into: str | None = None) -> list[str]:
+  """Draw NAME's PNGs from its result (into `into` instead of the repository when given), each stamped
+  with the digest of the result it was drawn from."""
+  from PIL import Image, PngImagePlugin
+
+  paths = []
+  for path, plot in FIGURES[name].images:
+    out = os.path.join(into or root, path)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    plot(r["result"], out)
+    info = PngImagePlugin.PngInfo()  # only this chunk: the same pixels give the same bytes
+    info.add_text(PNG_KEY, reporting.record_digest({"result": r["result"]}))
+    Image.open(out).save(out, pnginfo=info)
+    paths.append(out)
+  return paths
+
+
+def _drawable(name: str, r: dict, tmp: str) -> bool:
+  """Whether NAME's result holds what its PNGs are drawn from (a recorded table or a run collected without
+  its curves does not)."""
+  try:
+    draw("", name, r, into=tmp)
+    return True
+  except (KeyError, TypeError, IndexError):
+    import matplotlib.pyplot as plt
+
+    plt.close("all")  # the figure the plot opened before it found its data missing
+    return False
+
+
+def check_pngs(root: str) -> list[str]:
+  """Every docs/figures/*.png is drawn by a Figure from its result file and equals a re-drawing of it
+  (the digest of the data it says it was drawn from, then its pixels), or is listed in NOT_REBUILDABLE."""
+  import numpy as np
+  from PIL import Image
+
+  owner = {path: name for name, fig in FIGURES.items() for path, _ in fig.images}
+  pngs = sorted({*glob.glob("docs/figures/*.png", root_dir=root), *owner, *NOT_REBUILDABLE})
+  errors, drawn = [], {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for path in pngs:
+      full = os.path.join(root, path)
+      name = owner.get(path)
+      if path in NOT_REBUILDABLE:
+        if name and _drawable(name, load_result(root, name), tmp):
+          errors.append(f"{path}: listed in NOT_REBUILDABLE (scripts/docs_figures.py) but"
+                        f" docs/results/{name}.json draws it now: drop it from the list and `--render`")
+        continue
+      if not name:
+        errors.append(f"{path}: no result file draws it: add it to a Figure's images (scripts/docs_figures.py)")
+        continue
+      if not os.path.isfile(full):
+        errors.append(f"{path}: missing; `python scripts/docs.py --render` draws it from docs/results/{name}.json")
+        continue
+      r = load_result(root, name)
+      want = reporting.record_digest({"result": r["result"]})
+      if Image.open(full).text.get(PNG_KEY) != want:
+        errors.append(f"{path}: not drawn from docs/results/{name}.json as it is now (its {PNG_KEY} differs):"
+                      " `python scripts/docs.py --render` redraws it")
+        continue
+      if name not in drawn:
+        drawn[name] = draw(root, name, r, into=tmp)
+      fresh = drawn[name][[p for p, _ in FIGURES[name].images].index(path)]
+      a, b = (np.asarray(Image.open(f).convert("RGBA"), dtype=np.int16) for f in (full, fresh))
+      if a.shape != b.shape or np.abs(a - b).max() > PIXEL_TOLERANCE:
+        moved = "its size" if a.shape != b.shape else f"{(np.abs(a - b).max(-1) > PIXEL_TOLERANCE).sum()} pixels"
+        errors.append(f"{path}: differs from a re-drawing from docs/results/{name}.json ({moved}):"
+                      " `python scripts/docs.py --render` redraws it")
+  return errors
 
 
 # ---------------------------------------------------------------- blocks in the docs
@@ -178,8 +262,15 @@ def split_name(name: str, path: str, line: int) -> tuple[str, str]:
 
 
 def render(name: str, r: dict) -> str:
+  """A view of a result file; one transcribed from an older table ("as recorded at commit X") says so in the
+  rendered text itself, after a table or beside a number, so no reader takes it for a measurement of today's code."""
   fig, view = name.partition(".")[::2]
-  return provenance(r) if view == "provenance" else FIGURES[fig].views[view](r)
+  if view == "provenance":
+    return provenance(r)
+  text = FIGURES[fig].views[view](r)
+  if not df.recorded(r):
+    return text
+  return f"{text}\n\n*{df.recorded_tag(r).capitalize()}.*" if "\n" in text else f"{text} ({df.recorded_tag(r)})"
 
 
 def body_text(body: str) -> str:
@@ -220,7 +311,8 @@ def check(root: str, demo_run: str | None = None) -> list[str]:
   if run and not any(b.name.startswith("demo.") for p in doc_files(root)
                     for b in blocks(open(os.path.join(root, p)).read(), p)):
     errors.append("README.md: no docs.py:demo.line block to compare the demo run with")
-  return errors
+  errors += docs_numbers.check(root, doc_files(root))
+  return errors + check_pngs(root)
 
 
 def render_all(root: str) -> list[str]:
@@ -241,6 +333,14 @@ def render_all(root: str) -> list[str]:
     if new != text:
       reporting.write_text(full, new)
       changed.append(path)
+  with tempfile.TemporaryDirectory() as tmp:  # PNGs drawn from a result that holds their data
+    for name, fig in FIGURES.items():
+      if fig.images and os.path.isfile(result_path(root, name)) and \
+          not any(p in NOT_REBUILDABLE for p, _ in fig.images) and _drawable(name, load_result(root, name), tmp):
+        before = {p: open(os.path.join(root, p), "rb").read() for p, _ in fig.images
+                  if os.path.isfile(os.path.join(root, p))}
+        changed += [os.path.relpath(p, root) for p in draw(root, name, load_result(root, name))
+                    if open(p, "rb").read() != before.get(os.path.relpath(p, root))]
   return changed
 
 
@@ -277,10 +377,13 @@ def main(argv: list[str] | None = None) -> int:
   for e in errors:
     print(e, file=sys.stderr)
   if errors:
-    print(f"docs.py: {len(errors)} figure(s) differ from their result files; `python scripts/docs.py --render`"
-          " rewrites them from the files, `--refresh NAME` re-measures", file=sys.stderr)
+    print(f"docs.py: {len(errors)} problem(s): a figure or PNG that differs from its result file (`python"
+          " scripts/docs.py --render` rewrites it from the file, `--refresh NAME` re-measures) or a number outside"
+          " the markers", file=sys.stderr)
     return 1
-  print("docs.py: every rendered figure equals its result file")
+  print("docs.py: every rendered figure and PNG equals its result file; no number outside markers but PROSE and"
+        f" the {len(docs_numbers.read_ledger(os.path.join(args.root, docs_numbers.LEDGER)))} lines of"
+        f" {docs_numbers.LEDGER}")
   return 0
 
 

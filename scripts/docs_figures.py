@@ -206,10 +206,19 @@ def recorded_table(view: str, columns: tuple[str, ...] = ()) -> Callable[[dict],
 
 
 def collect_ttq(run: str) -> dict:
-  """scripts/time_to_quality.py's JSON, each run without its curve (the PNG has them)."""
-  r = json.load(open(os.path.join(run, "time_to_quality.json")))
-  r["runs"] = [{k: v for k, v in x.items() if k not in ("curve", "overlap_efficiency_steps")} for x in r["runs"]]
-  return r
+  """scripts/time_to_quality.py's JSON as it wrote it: each run keeps its curve (`runs[*].curve`, a list of
+  {step, wall_s, accuracy, reverse_kl}), which the PNG is drawn from."""
+  return json.load(open(os.path.join(run, "time_to_quality.json")))
+
+
+def plot_ttq(result: dict, path: str) -> str:
+  """scripts/time_to_quality.py's own figure (imported here only: one drawing of the curves)."""
+  before = os.environ.get("JAX_NUM_CPU_DEVICES")
+  import time_to_quality  # sets JAX_NUM_CPU_DEVICES for its own runs: not for this process's children
+
+  if before is None:
+    os.environ.pop("JAX_NUM_CPU_DEVICES", None)
+  return time_to_quality.plot(result["runs"], path)
 
 
 def _seeds(vals, fmt="{:.1f}") -> str:
@@ -364,9 +373,44 @@ def reproduction_evidence(r: dict) -> str:
   return "\n".join(out)
 
 
-def _recorded(command: str, *views: str) -> Figure:
+def transcribed(key: str) -> Callable[[dict], str]:
+  """A line of text kept as written then (a headline, a bench script's JSON line): {"lines": {key: text}}."""
+  return lambda r: r["result"]["lines"][key]
+
+
+def _recorded(command: str, *views: str, lines: tuple[str, ...] = ()) -> Figure:
   """A figure not re-measured since its numbers were written: --refresh refuses, --check still compares."""
-  return Figure((command,), None, {v: recorded_table(v) for v in views})
+  return Figure((command,), None, {**{v: recorded_table(v) for v in views}, **{k: transcribed(k) for k in lines}})
+
+
+def schedule_worked(r: dict) -> str:
+  """README's worked example: the 4 / 12 split `opdjax plan --schedule` predicts, against the best and 8 / 8."""
+  res = r["result"]
+  split = {s["rollout_devices"]: s for s in res["splits"]}
+  chosen, best, half = split[4], res["best_async"], split[8]
+  return (f"predicts at {chosen['async_k1_s']:.2f} s a step on H100s (predicted, not measured:"
+          f" {chosen['sync_disaggregated_s']:.2f} s synchronous on the same split; the best split,"
+          f" {best['rollout_devices']} / {best['trainer_devices']}, {best['async_k1_s']:.2f} s, splits no node evenly;"
+          f" 8 / 8, a node of sidecars, {half['async_k1_s']:.2f} s)")
+
+
+def reproduction_summary(r: dict) -> str:
+  """One line of the last run: its wall time, and each claim's outcome."""
+  import reproduce  # scripts/ (no jax import)
+
+  res, by = r["result"], {}
+  for num, _, _ in reproduce.CLAIMS:
+    c = res["claims"].get(num)
+    by.setdefault(c.get("label", c["verdict"]) if c else "not run", []).append(num)
+  said = lambda nums: nums[0] if len(nums) == 1 else f"{', '.join(nums[:-1])} and {nums[-1]}"  # noqa: E731
+  outcomes = "; ".join(f"claim{'s' * (len(n) > 1)} {said(n)} {'held' if o == 'holds' else o}" for o, n in by.items())
+  minutes = sum(v["wall_s"] for v in res["stages"].values()) / 60
+  return f"{minutes:.0f} minutes ({'complete' if res['complete'] else 'incomplete'}): {outcomes}"
+
+
+def _ttq_view(old: Callable[[dict], str], new: Callable[[dict], str]) -> Callable[[dict], str]:
+  """The recorded tables of time_to_quality.json until it is re-measured, then the run's own."""
+  return lambda r: old(r) if recorded(r) else new(r)
 
 
 def _jsonl(name: str) -> Callable[[str], dict]:
@@ -380,8 +424,17 @@ def scaling_tables(r: dict) -> str:
   return plan_table.markdown_of(r["result"]["records"])
 
 
+def recorded(r: dict) -> bool:
+  """A result file transcribed from an older table or output ("as recorded at commit X"), not re-measured."""
+  return r["measured"] != "fresh run"
+
+
+def recorded_tag(r: dict) -> str:
+  return f"recorded at commit {r['commit']} on {r['date']}, not re-measured"
+
+
 def provenance(r: dict) -> str:
-  when = r["measured"] if r["measured"] != "fresh run" else f"{r['date']}, commit {r['commit']}"
+  when = recorded_tag(r) if recorded(r) else f"{r['date']}, commit {r['commit']}"
   load = f"; {r['load']}" if r.get("load") else ""  # a timing says its load
   return f"`{' && '.join(r['command'])}` ({when}; {r['machine']}{load})"
 
@@ -482,6 +535,7 @@ class Figure:
   env: dict[str, str] = field(default_factory=dict)
   note: str = ""                       # how the command ran, kept in the result file
   images: tuple = ()                   # (path, plot(result, path)): PNGs drawn from the result by --refresh
+                                       # and --render, compared with a re-drawing by --check
 
 
 def kv_last(key: str, fmt: str) -> Callable[[dict], str]:
@@ -489,10 +543,35 @@ def kv_last(key: str, fmt: str) -> Callable[[dict], str]:
   return lambda r: fmt.format(r["result"]["rows"][-1][key])
 
 
+def mismatch_training(r: dict) -> str:
+  res = r["result"]
+  p, c = res["perturbed"], res["clean"]
+  return (f"reached held-out reverse KL {p['reverse_kl']:.2f} and accuracy {p['accuracy']:.3f}; the clean on-policy"
+          f" run reached {c['reverse_kl']:.2f} and {c['accuracy']:.3f}")
+
+
+def decode_fill_ratios(r: dict) -> str:
+  """The bench script's JSON line (transcribed with the table): the 10% / 90% step-time ratio, after and before."""
+  rec = json.loads(r["result"]["lines"]["record"].strip("`"))
+  return (f"{rec['after']['cpu_ratio']:.2f}x the 90% step time at 10%, against {rec['before']['cpu_ratio']:.1f}x"
+          " before")
+
+
+def kv_fp8_weights(r: dict) -> str:
+  """What FP8 weights add: the BF16 weights' share of the memory, what FP8 saves, the tokens it adds."""
+  res = r["result"]
+  row = {(x["weights"], x["kv"]): x for x in res["rows"]}
+  bf16, fp8 = row["bf16", "bf16"], row["fp8", "bf16"]
+  return (f"weights are {bf16['weight_gib'] / res['memory_gib']:.0%} of it, so FP8 weights"
+          f" (−{bf16['weight_gib'] - fp8['weight_gib']:.2f} GiB) add"
+          f" {fp8['kv_tokens'] / bf16['kv_tokens'] - 1:.0%} tokens")
+
+
 def _kv(model: str, memory: float, layers: str, *extra: str) -> Figure:
   cmd = f"opdjax kv-capacity --model {model} --memory-gib {memory} --kv-bf16-layers {layers} {' '.join(extra)}"
   return Figure((cmd.strip() + " --json {out}/kv.json",), _read_json("kv.json"), {"table": kv_table,
-                "last_gib": kv_last("weight_gib", "{:.3f} GiB"), "last_ratio": kv_last("kv_tokens_ratio", "{:.3f}x")})
+                "last_gib": kv_last("weight_gib", "{:.3f} GiB"), "last_ratio": kv_last("kv_tokens_ratio", "{:.3f}x"),
+                "fp8_weights": kv_fp8_weights})
 
 
 PSR = prefix_shift_report
@@ -551,14 +630,19 @@ FIGURES: dict[str, Figure] = {
                                  "table"),
     "admission_validate": _recorded("python scripts/validate_admission.py --out DIR", "table"),
     "opd_grpo": _recorded("python scripts/compare_opd_grpo.py --out DIR", "table", "tis"),
-    "time_to_quality": Figure(("python scripts/time_to_quality.py --out DIR",), None, {
-        "runs": recorded_table("runs"), "speedups": recorded_table("speedups"),
-        "bench": recorded_table("runs", ("configuration", "reached acc 0.95", "s for 800 steps",
-                                         "process CPU s / wall s"))}),
+    # Recorded tables today; a run of the command (`--refresh time_to_quality [--from DIR]`) keeps runs[*].curve
+    # and renders through ttq_table and draws the PNG.
+    "time_to_quality": Figure(("python scripts/time_to_quality.py --out {out}",), collect_ttq, {
+        "runs": _ttq_view(recorded_table("runs"), ttq_table),
+        "speedups": _ttq_view(recorded_table("speedups"), ttq_speedups),
+        "bench": _ttq_view(recorded_table("runs", ("configuration", "reached acc 0.95", "s for 800 steps",
+                                                   "process CPU s / wall s")), ttq_table)},
+        images=(("docs/figures/time_to_quality.png", plot_ttq),)),
     "ttq_disaggregated": Figure(("python scripts/time_to_quality.py --out {out}",), collect_ttq,
                                 {"table": ttq_table, "speedups": ttq_speedups}),
     "ttq_teacher_engine": Figure(("python scripts/time_to_quality.py --teacher-scoring engine --out {out}",),
-                                 collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
+                                 collect_ttq, {"table": ttq_table, "speedups": ttq_speedups},
+                                 images=(("docs/figures/time_to_quality_disaggregated.png", plot_ttq),)),
     "ttq_worked": Figure(("python scripts/time_to_quality.py --config configs/demo_worked.py --out {out}",),
                          collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
     "smollm2_vllm_async": Figure(tuple(
@@ -568,21 +652,38 @@ FIGURES: dict[str, Figure] = {
         collect_sync_async, {"line": sync_async_line}),
     "reproduction_smollm2": Figure(("python scripts/reproduce.py --task smollm2 --out {out}",),
                                    _read_json("reproduction.json"),
-                                   {"table": reproduction_table, "evidence": reproduction_evidence}),
+                                   {"table": reproduction_table, "evidence": reproduction_evidence,
+                                    "summary": reproduction_summary}),
+    "plan_schedule": Figure(("opdjax plan --schedule --teacher qwen3-8b --student qwen3-1.7b --devices 16 --batch 240"
+                             " --prompt-len 512 --seq-len 1024 --fp8 --device h100-sxm --json {out}/schedule.json",),
+                            _read_json("schedule.json"), {"worked": schedule_worked}),
     "reproduction_addition": Figure(("python scripts/reproduce.py --task addition --out {out}",),
                                     _read_json("reproduction.json"),
                                     {"table": reproduction_table, "evidence": reproduction_evidence}),
-    "bench_opd_step": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE", "table"),
-    "bench_rollout": _recorded("PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE", "table"),
-    "bench_rollout_vllm": _recorded("PYTHONPATH=. python bench/rollout_vllm.py --out FILE", "table"),
-    "bench_compile": _recorded("PYTHONPATH=. python bench/compile.py", "table"),
-    "bench_decode_fill": _recorded("PYTHONPATH=. python bench/decode_fill.py", "table"),
+    "bench_opd_step": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE", "table",
+                                lines=("headline", "record")),
+    "bench_rollout": _recorded("PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE", "table",
+                               lines=("headline", "record")),
+    "bench_rollout_vllm": _recorded("PYTHONPATH=. python bench/rollout_vllm.py --out FILE", "table",
+                                    lines=("headline", "record")),
+    "bench_compile": _recorded("PYTHONPATH=. python bench/compile.py", "table", lines=("headline", "before", "after")),
+    "bench_decode_fill": Figure(("PYTHONPATH=. python bench/decode_fill.py",), None,
+                               {"table": recorded_table("table"), "record": transcribed("record"),
+                                "ratios": decode_fill_ratios}),
+    "prefix_shift_first_wave": _recorded("opdjax prefix-shift --out DIR --config.prefix_shift.seed=S", "table",
+                                         lines=("setup",)),
+    "mismatch_training": Figure(("opdjax train --config configs/demo.py --out DIR --config.train.steps=300"
+                                 " --config.rollout.view=VIEW",), None, {"line": mismatch_training}),
     "bench_cpu_paths": Figure(("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE",
                                "PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE"), None,
-                              {"table": recorded_table("table")}),
+                              {"table": recorded_table("table"), "opd_step": transcribed("opd_step"),
+                               "rollout": transcribed("rollout")}),
     "weight_sync": Figure(("python bench/weight_sync.py --out {out}/weight_sync.json",), _read_json("weight_sync.json"),
                           {"table": weight_sync_table, "headline": weight_sync_headline, "line": weight_sync_line},
                           env={"PYTHONPATH": "."}),
+    "sync_probe_calibration": _recorded("pytest tests/test_weight_sync.py tests/test_vllm.py -k probe",
+                                        lines=("tolerances", "separation")),
+    "weight_sync_d859b92": _recorded("PYTHONPATH=. python bench/weight_sync.py", lines=("old_probe",)),
     "served_teacher": Figure(("python bench/served_teacher.py --out {out}/served_teacher.json",),
                              _read_json("served_teacher.json"), {"table": served_teacher_table},
                              env={"PYTHONPATH": "."}),
@@ -591,4 +692,31 @@ FIGURES: dict[str, Figure] = {
     "kv_qwen3_1p7b_block": _kv("qwen3-1.7b", 72, "27", "--recipe fp8_block --keep-edge-layers 1"),
     "kv_qwen3_8b_72": _kv("qwen3-8b", 72, "0,35"),
     "kv_qwen3_8b_21": _kv("qwen3-8b", 21.6, "0,35"),
+}
+
+
+# PNGs in docs/figures that no result file can redraw: the command that drew them kept only a rendered table
+# in its result file (or stripped the curves), and its raw output is gone. --check accepts exactly these;
+# re-measuring with `--refresh NAME` (a Figure with `images`) takes one off the list.
+NOT_REBUILDABLE: dict[str, str] = {
+    "docs/figures/admission_budget.png": "drawn by `opdjax calibrate` (commit 8636499); admission_calibrate.json"
+                                         " keeps only its table",
+    "docs/figures/admission_validation.png": "drawn by scripts/validate_admission.py (commit 15bdbfe);"
+                                             " admission_validate.json keeps only its table",
+    "docs/figures/opd_grpo_accuracy.png": "drawn by scripts/compare_opd_grpo.py (commit 8636499); opd_grpo.json"
+                                          " keeps only its tables",
+    "docs/figures/sensitivity_demo.png": "drawn by `opdjax sensitivity` (commit 8636499); sensitivity_demo.json"
+                                         " keeps only its ranking table",
+    "docs/figures/sensitivity_demo_recipe.png": "drawn by `opdjax sensitivity` (commit 8636499);"
+                                                " sensitivity_demo.json keeps only its ranking table",
+    "docs/figures/sensitivity_smollm2.png": "drawn by `opdjax sensitivity --config configs/smollm2_sensitivity.py`"
+                                            " (commit 8636499); sensitivity_smollm2.json keeps only its tables",
+    "docs/figures/sensitivity_smollm2_recipe.png": "drawn by `opdjax sensitivity --config"
+                                                   " configs/smollm2_sensitivity.py` (commit 8636499);"
+                                                   " sensitivity_smollm2.json keeps only its tables",
+    "docs/figures/time_to_quality.png": "drawn by scripts/time_to_quality.py (commit 51373df);"
+                                        " time_to_quality.json keeps only its tables (no runs[*].curve)",
+    "docs/figures/time_to_quality_disaggregated.png": "drawn by scripts/time_to_quality.py --teacher-scoring"
+                                                      " engine (commit 99f9d38); ttq_teacher_engine.json was"
+                                                      " collected without runs[*].curve",
 }

@@ -123,3 +123,120 @@ def test_a_result_changed_after_its_command_wrote_it_is_refused(tmp_path, capsys
     path.write_text(json.dumps(bad))
     assert docs.main(["--check", "--root", str(root)]) == 2
     assert "was changed after its command wrote it" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- numbers outside markers
+def test_the_forms_of_a_constant_are_not_numbers_and_a_measurement_is():
+  dn = docs.docs_numbers
+  numbers = lambda text: dn.numbers(dn._outside_markers(text))  # noqa: E731
+  assert numbers("qwen3-1.7b and SmolLM2-135M in fp32, k=1, on 2026-12-01 (#33), `--steps 800`, v2.4.6") == []
+  assert numbers("1.5-1.6x faster, 3/3 seeds, 1,261 tokens/s, 17% more, 2.2e-05 apart.") == \
+      ["1.5", "1.6x", "3", "3", "1261", "17%", "2.2e-05"]
+
+
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
+def test_a_number_outside_markers_fails_naming_file_line_and_number(tmp_path, capsys):
+  root = _copy(tmp_path)
+  page = root / "docs" / "mismatch.md"
+  text = open(page).read()
+  open(page, "w").write(text + "\nOn this box the engine is 3.7x faster.\n")
+  assert docs.main(["--check", "--root", str(root)]) == 1
+  err = capsys.readouterr().err
+  line = text.count("\n") + 2
+  assert f"docs/mismatch.md:{line}: 3.7x outside a docs.py marker" in err
+  # the same words with the number rendered from a result file pass
+  marked = "<!-- docs.py:mismatch.provenance --><!-- /docs.py:mismatch.provenance -->"
+  open(page, "w").write(text + f"\nOn this box {marked}.\n")
+  assert docs.main(["--render", "--root", str(root)]) == 0
+  assert docs.main(["--check", "--root", str(root)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
+def test_an_edited_ledger_line_fails_and_its_stale_entry_too(tmp_path, capsys):
+  root = _copy(tmp_path)
+  ledger = [line.split() for line in open(root / "docs" / "unsourced.txt") if not line.startswith("#")]
+  page, _, number = next(e for e in ledger if e[0] == "README.md")
+  text = open(root / page).read()
+  n, old = next((i + 1, t) for i, t in enumerate(text.split("\n"))
+                if number in docs.docs_numbers.numbers(docs.docs_numbers._outside_markers(t)))
+  open(root / page, "w").write(text.replace(old, old.replace(number, "999", 1), 1))
+  assert docs.main(["--check", "--root", str(root)]) == 1
+  err = capsys.readouterr().err
+  assert f"{page}:{n}: " in err and "999" in err
+  assert "matches no line any more" in err
+
+
+# ---------------------------------------------------------------- PNGs drawn from result files
+PNG = "docs/figures/prefix_shift_divergence.png"
+
+
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
+def test_a_png_that_is_not_its_result_files_drawing_fails(tmp_path, capsys):
+  root = _copy(tmp_path)
+  # another drawing of the same result, so it carries the right data digest: the pixels tell
+  shutil.copy(root / "docs" / "figures" / "prefix_shift_signal_error.png", root / PNG)
+  assert docs.main(["--check", "--root", str(root)]) == 1
+  assert f"{PNG}: differs from a re-drawing from docs/results/prefix_shift.json" in capsys.readouterr().err
+  assert docs.main(["--render", "--root", str(root)]) == 0
+  assert docs.main(["--check", "--root", str(root)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
+def test_a_png_drawn_from_other_data_fails(tmp_path, capsys):
+  root = _copy(tmp_path)
+  path = root / "docs" / "results" / "prefix_shift.json"
+  r = json.loads(path.read_text())
+  r["result"]["noise_floor"]["divergence"]["frac_diverged"] /= 2  # as if re-measured without redrawing
+  path.write_text(json.dumps(r))
+  assert docs.main(["--check", "--root", str(root)]) == 1
+  assert f"{PNG}: not drawn from docs/results/prefix_shift.json as it is now" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
+def test_a_png_no_result_file_draws_fails(tmp_path, capsys):
+  root = _copy(tmp_path)
+  shutil.copy(root / PNG, root / "docs" / "figures" / "new_plot.png")
+  assert docs.main(["--check", "--root", str(root)]) == 1
+  assert "docs/figures/new_plot.png: no result file draws it" in capsys.readouterr().err
+
+
+def test_every_figure_from_a_recorded_result_says_so_where_it_is_rendered():
+  for p in docs.doc_files(ROOT):
+    text = open(os.path.join(ROOT, p)).read()
+    for b in docs.blocks(text, p):
+      r = docs.load_result(ROOT, b.name.partition(".")[0])
+      if r["measured"] != "fresh run":
+        assert f"recorded at commit {r['commit']} on {r['date']}, not re-measured" in text[b.start:b.end].lower(), \
+            (p, b.line, b.name)
+
+
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
+def test_a_time_to_quality_result_with_curves_draws_its_png(tmp_path, capsys, monkeypatch):
+  """time_to_quality.py's runs[*].curve is what the PNG is drawn from: a result that has them can no longer
+  sit in NOT_REBUILDABLE, and once drawn its PNG is checked like any other."""
+  root = _copy(tmp_path)
+  path = root / "docs" / "results" / "ttq_teacher_engine.json"
+  r = json.loads(path.read_text())
+  assert all("curve" not in x for x in r["result"]["runs"])  # collected before collect_ttq kept them
+  for i, run in enumerate(r["result"]["runs"]):
+    run["curve"] = [{"step": s, "wall_s": 0.5 * s + i, "accuracy": min(1.0, 0.01 * s), "reverse_kl": 5.0 / (1 + s)}
+                    for s in range(0, 100, 20)]
+  r.pop("digest", None)
+  path.write_text(json.dumps(r))
+  png = "docs/figures/time_to_quality_disaggregated.png"
+  assert docs.main(["--check", "--root", str(root)]) == 1
+  assert f"{png}: listed in NOT_REBUILDABLE (scripts/docs_figures.py) but docs/results/ttq_teacher_engine.json" \
+      " draws it now" in capsys.readouterr().err
+  monkeypatch.delitem(docs.NOT_REBUILDABLE, png)  # as after re-measuring: the entry is dropped
+  assert docs.main(["--check", "--root", str(root)]) == 1
+  assert f"{png}: not drawn from docs/results/ttq_teacher_engine.json" in capsys.readouterr().err
+  assert docs.main(["--render", "--root", str(root)]) == 0
+  assert docs.main(["--check", "--root", str(root)]) == 0, capsys.readouterr().err
+
+
+def test_a_prose_phrase_lets_through_only_its_own_numbers(monkeypatch):
+  dn = docs.docs_numbers
+  monkeypatch.setitem(dn.PROSE, "page.md", {"Runs 1200 OPD steps": "the config"})
+  text = "Runs 1200 OPD steps in 41 s.\nRuns 1200 OPD steps.\n"
+  assert dn.unmarked(text, "page.md") == [(1, "Runs 1200 OPD steps in 41 s.", ["41"])]
+  assert [n for _, _, n in dn.unmarked(text, "other.md")] == [["1200", "41"], ["1200"]]

