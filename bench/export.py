@@ -3,13 +3,14 @@
   PYTHONPATH=. python bench/export.py [--config configs/demo.py] [--reps 200] [--out FILE.json]
 
 The demo's student params (the engine's view, clean) published the way the asynchronous loop does:
-`export` on the trainer's thread, then `load` on the sampling side (the write into the engine's
-shared-memory block, `time_reload_write_s`, and the sidecar's read into its device arrays and its
-acknowledgement: one round trip). Beside them, on the same bytes: a NumPy copy into a preallocated
-buffer and into a preallocated shared-memory block, per leaf (the sum, and the export alone per leaf)
-and in all. Also both halves on params a jitted step is still computing (what the loop hands the
-export): the trainer's half returns at once, the load waits for that step (its device time).
-Medians over `--reps`; the 1-minute load beside them. Prints one JSON line last.
+`export` on the trainer's thread (params already computed; host copy, or since the flat-block export a
+write into a shared-memory block) and `load` on the producer's side (the sidecar reads the block into
+its device arrays and acknowledges: one round trip). Beside them, on the same bytes: a NumPy copy
+into a preallocated buffer and a write into a preallocated shared-memory block, each per leaf (the
+slowest leaf and the sum) and in all. Also `export` of params a jitted step is still computing (what
+the loop hands it): the wait for that step is the step's device time, not the export's, and the
+export reports it apart (`time_export_wait_s`). Medians over `--reps`; the 1-minute load beside them.
+Prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -62,19 +63,23 @@ def main(argv=None) -> int:
     reps = args.reps
     out = {"config": args.config, "leaves": len(leaves), "bytes": nbytes, "reps": reps}
 
-    # The path: export (trainer), load (sampling side + sidecar), and both.
-    out["export_ms"] = med_ms(lambda: engine.export(params, 1), reps)
-    updates = []
+    # The path: export (trainer), load (producer + sidecar), and both.
+    def export():
+      u = engine.export(params, 1)
+      engine.release(u)
 
+    updates = []
+    out["export_ms"] = med_ms(export, reps)
     def publish():
       u = engine.export(params, 1)
       engine.load(u)
       updates.append(u)
     out["export_load_ms"] = med_ms(publish, reps)
     out["load_ms"] = statistics.median(1e3 * u.stats["time_reload_s"] for u in updates)
-    out["load_write_ms"] = statistics.median(1e3 * u.stats["time_reload_write_s"] for u in updates)
-    per_leaf = [med_ms(lambda x=x: engine.load(engine.export({"w": x}, 1)), max(reps // 4, 10)) for x in leaves]
-    out["export_load_per_leaf_ms"] = {"sum": sum(per_leaf), "max": max(per_leaf)}
+    per_leaf = []
+    for x in leaves:
+      per_leaf.append(med_ms(lambda x=x: engine.release(engine.export({"w": x}, 1)), max(reps // 4, 10)))
+    out["export_per_leaf_ms"] = {"sum": sum(per_leaf), "max": max(per_leaf)}
 
     # The same bytes, plain copies: into a preallocated buffer, into a preallocated shared-memory block.
     flat = np.empty(nbytes, np.uint8)
@@ -94,7 +99,7 @@ def main(argv=None) -> int:
       shm.close()
       shm.unlink()
 
-    # Both halves on params a step is still computing: the trainer's returns at once, the load waits.
+    # Export of params a step is still computing: the wait is the step's, reported apart.
     w = jnp.ones((512, 512), jnp.float32) / 512
 
     @jax.jit
@@ -103,30 +108,30 @@ def main(argv=None) -> int:
         w = jnp.tanh(w @ w)
       return jax.tree.map(lambda x: x + 1e-9 * w[0, 0], p)
 
-    jax.block_until_ready(step(params, w))
+    fresh = jax.block_until_ready(step(params, w))
     out["step_alone_ms"] = med_ms(lambda: jax.block_until_ready(step(params, w)), max(reps // 10, 10))
-    exports, loads = [], []
+    waits, exports = [], []
     for _ in range(max(reps // 10, 10)):
       fresh = step(params, w)
       t = time.perf_counter()
       u = engine.export(fresh, 2)
       exports.append(1e3 * (time.perf_counter() - t))
-      engine.load(u)
-      loads.append(1e3 * u.stats["time_reload_s"])
+      waits.append(1e3 * u.stats.get("time_export_wait_s", float("nan")))
+      engine.release(u)
     out["export_fresh_ms"] = statistics.median(exports)
-    out["load_fresh_ms"] = statistics.median(loads)
+    out["export_fresh_wait_ms"] = statistics.median(waits)
   finally:
     session.close()
   out["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
   out = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
-  out["export_load_per_leaf_ms"] = {k: round(v, 4) for k, v in out["export_load_per_leaf_ms"].items()}
-  print(f"{out['leaves']} leaves, {out['bytes']} bytes: export (trainer) {out['export_ms']:.4f} ms, load"
-        f" {out['load_ms']:.3f} ms (of it the write {out['load_write_ms']:.4f}; per leaf, export + load, sum"
-        f" {out['export_load_per_leaf_ms']['sum']:.3f}); plain copy {out['copy_numpy_ms']:.4f} ms"
-        f" (per leaf {out['copy_numpy_per_leaf_ms']:.4f}), into shared memory {out['copy_shm_ms']:.4f} ms"
-        f" (per leaf {out['copy_shm_per_leaf_ms']:.4f}); params a {out['step_alone_ms']:.1f} ms step is computing:"
-        f" export {out['export_fresh_ms']:.4f} ms, load {out['load_fresh_ms']:.2f} ms; load {out['loadavg_1min']}",
-        file=sys.stderr)
+  out["export_per_leaf_ms"] = {k: round(v, 4) for k, v in out["export_per_leaf_ms"].items()}
+  print(f"{out['leaves']} leaves, {out['bytes']} bytes: export {out['export_ms']:.3f} ms (per leaf: sum"
+        f" {out['export_per_leaf_ms']['sum']:.3f}), export + load {out['export_load_ms']:.3f} ms (load"
+        f" {out['load_ms']:.3f}); plain copy {out['copy_numpy_ms']:.4f} ms"
+        f" (per leaf {out['copy_numpy_per_leaf_ms']:.4f}),"
+        f" into shared memory {out['copy_shm_ms']:.4f} ms (per leaf {out['copy_shm_per_leaf_ms']:.4f}); export of"
+        f" params a {out['step_alone_ms']:.1f} ms step is computing {out['export_fresh_ms']:.2f} ms (of it waiting"
+        f" {out['export_fresh_wait_ms']:.2f}); load {out['loadavg_1min']}", file=sys.stderr)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(out, f, indent=1)
