@@ -259,6 +259,100 @@ def ttq_speedups(r: dict) -> str:
   return "\n".join(out)
 
 
+def _h(r: dict) -> dict:
+  h = r["result"].get("speedup_async_k1_vs_best_sync")
+  if not h or h.get("median") is None:
+    raise DocsError("the result has no speedup_async_k1_vs_best_sync (every seed flagged, or no async k=1 run)")
+  return h
+
+
+def ttq_headline(r: dict) -> str:
+  """The lead sentence: async k=1 against the fastest synchronous configuration, per seed, with the
+  machine's bound, the load, and the trainer's step against its synchronous one."""
+  res, h = r["result"], _h(r)
+  conf = res["configs"]
+  runs = [x for x in res["runs"] if x["config"] in (h["against"], h["async"]) and x["seed"] in h["seeds"]]
+  loads = [x["load_1min_median"] for x in runs]
+  others = [x["other_cpu_per_wall"] for x in runs]
+  b = h["physical_bound_seeds"]
+  cpu = lambda k: sorted(x[k] for x in b)[len(b) // 2]  # noqa: E731
+  wall = sorted(x["wall_s"] for x in b)[len(b) // 2]
+  ratio = conf[h["async"]].get("trainer_step_ratio_vs_sync")
+  eff = res.get(f"overlap_efficiency_{h['async']}")
+  bound = f" ({h['bound']}: a run missed the target and counts with its whole run)" if h["bound"] else ""
+  crossed = ("the curves' steep part, every run crosses it" if res["targets"].get("reverse_kl_crossed_by_every_run")
+             else "NOT crossed by every run")
+  return (f"async k=1 (`{h['async']}`) reaches held-out reverse KL {res['targets']['reverse_kl']:.3g}"
+          f" ({crossed}; {res['num_eval']} held-out prompts)"
+          f" **{h['median']:.2f}x** sooner than the fastest synchronous configuration (`{h['against']}`), median"
+          f" of {len(h['per_seed'])} seeds, per seed {_seeds(h['per_seed'], '{:.2f}')} (range"
+          f" {h['min']:.2f}-{h['max']:.2f}){bound}; {h['steps_ratio']:.2f}x at equal steps. The bound on this"
+          f" machine: the synchronous run used {cpu('cpu_s_trainer_process'):.1f} + {cpu('cpu_s_engine_process'):.1f}"
+          f" CPU s (trainer + engine process, median seed) in {wall:.1f} s on {res['cpu_count']} cores, so no"
+          f" overlap of the same work can beat **{h['physical_bound']:.2f}x**."
+          f" The asynchronous trainer's step is {'-' if ratio is None else f'{ratio:.2f}'}x its synchronous"
+          f" step (overlap efficiency {'-' if eff is None else f'{eff:.2f}'}). Load: 1-minute"
+          f" {min(loads):.1f}-{max(loads):.1f}, other processes {min(others):.2f}-{max(others):.2f} CPU s / wall s;"
+          f" {len(res['flagged_runs'])} of {len(res['runs'])} runs flagged and left out"
+          f" ({len(h['excluded_seeds'])} seeds)")
+
+
+def ttq_best_table(r: dict) -> str:
+  """Per configuration: its layout, seconds to the reverse-KL target (the headline's) and to accuracy, for
+  all steps, each side's CPU use, the trainer-step ratio, load."""
+  res, rows = r["result"], []
+  tk, ta = res["targets"]["reverse_kl"], res["targets"]["accuracy"]
+  for name in dict.fromkeys(x["config"] for x in res["runs"]):
+    rs = [x for x in res["runs"] if x["config"] == name]
+    c = res["configs"][name]
+    med = lambda k, rs=rs: sorted(x[k] for x in rs)[len(rs) // 2]  # noqa: E731
+    ratio = c.get("trainer_step_ratio_vs_sync")
+    rows.append([name, f"{c['placement']}, teacher on {c['teacher_scoring']}",
+                 _seeds(x["seconds_to_reverse_kl"] for x in rs),
+                 f"{sum(x['seconds_to_accuracy'] is not None for x in rs)}/{len(rs)}",
+                 _seeds(x["wall_s_at_equal_steps"] for x in rs), f"{med('final_reverse_kl'):.4f}",
+                 f"{med('process_cpu_per_wall'):.2f} + {med('engine_process_cpu_per_wall'):.2f}",
+                 "-" if ratio is None else f"{ratio:.2f}",
+                 _seeds((x["load_1min_median"] for x in rs), "{:.1f}"),
+                 str(sum(bool(x.get("flagged")) for x in rs))])
+  head = ["configuration", "layout", f"s to reverse KL {tk:.3g} (seeds)", f"reached acc {ta}",
+          f"s for {res['steps']} steps", "final reverse KL (median)", "CPU s / wall s: trainer + engine process",
+          "trainer step / sync's", "load (median 1-min)", "flagged"]
+  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows)])
+
+
+def ttq_best_speedups(r: dict) -> str:
+  """The headline and the ratios that take it apart (overlap alone, moving the teacher alone), to the
+  reverse-KL target (median over seeds, per seed) and at equal steps."""
+  res, h = r["result"], _h(r)
+
+  def row(label, key):
+    d = res.get(f"speedup_{key}_reverse_kl")
+    if d is None:
+      return None
+    bound = f" ({d['bound']})" if d["bound"] else ""
+    return (f"| {label} | {d['median']:.2f}{bound} | {_seeds(d['seeds'], '{:.2f}')} |"
+            f" {res[f'steps_speedup_{key}']:.2f} |")
+
+  rows = [f"| **async k=1 ({h['async']}) vs the fastest sync ({h['against']})** | **{h['median']:.2f}** |"
+          f" {_seeds(h['per_seed'], '{:.2f}')} | {h['steps_ratio']:.2f} |",
+          f"| physical bound over {h['against']} (this machine's cores, each side's CPU s) |"
+          f" {h['physical_bound']:.2f} | {_seeds((b['bound'] for b in h['physical_bound_seeds']), '{:.2f}')} | |"]
+  rows += list(filter(None, [
+      row("overlap alone, colocated, teacher on the trainer (async_k1 vs sync_fp32)", "async_k1"),
+      row("overlap alone, disaggregated, teacher on the trainer", "async_k1_vs_sync_disaggregated"),
+      row("overlap alone, disaggregated, teacher on the engine", "async_k1_vs_sync_disaggregated_teacher_engine"),
+      row("moving the teacher alone, sync disaggregated", "sync_teacher_engine_vs_sync_teacher_trainer_disaggregated"),
+      row("moving the teacher alone, async k=1 disaggregated",
+          "async_k1_teacher_engine_vs_async_k1_teacher_trainer_disaggregated"),
+      row("sync disaggregated vs sync colocated (teacher on the trainer)", "sync_disaggregated_vs_sync_colocated"),
+      row("sync disaggregated, teacher on the engine, vs sync colocated",
+          "sync_disaggregated_teacher_engine_vs_sync_colocated")]))
+  out = ["| ratio, to the reverse-KL target | median | per seed | at equal steps |", "| --- | --- | --- | --- |"]
+  return "\n".join(out + rows)
+
+
 def _step_seconds(recs: list[dict]) -> list[float]:
   """Seconds of each step after the first (compiles), held-out evaluation left out: the differences
   of wall_s where the run timed its steps, else of elapsed_s over steps that evaluated nothing."""
@@ -580,6 +674,9 @@ def _duration(seconds: float) -> str:
   return f"{seconds / 60:.0f} minutes" if seconds >= 120 else f"{seconds:.0f} s"
 
 
+TTQ_BEFORE = ("python scripts/time_to_quality.py --configs sync_fp32,sync_disaggregated,async_k1_disaggregated,"
+              "async_k2_disaggregated,async_k1_bounded_disaggregated,sync_fp8_disaggregated,async_k1_fp8_disaggregated"
+              " --steps 800 --seeds 3 --eval-every 20 --num-eval 256 --target-reverse-kl 0.1 --timed-steps 0")
 FIGURES: dict[str, Figure] = {
     "demo": Figure(("opdjax demo --out {out}",), collect_run,
                    {"line": demo_line, "time": loop_time,
@@ -630,20 +727,19 @@ FIGURES: dict[str, Figure] = {
                                  "table"),
     "admission_validate": _recorded("python scripts/validate_admission.py --out DIR", "table"),
     "opd_grpo": _recorded("python scripts/compare_opd_grpo.py --out DIR", "table", "tis"),
-    # Recorded tables today; a run of the command (`--refresh time_to_quality [--from DIR]`) keeps runs[*].curve
-    # and renders through ttq_table and draws the PNG.
-    "time_to_quality": Figure(("python scripts/time_to_quality.py --out {out}",), collect_ttq, {
-        "runs": _ttq_view(recorded_table("runs"), ttq_table),
-        "speedups": _ttq_view(recorded_table("speedups"), ttq_speedups),
-        "bench": _ttq_view(recorded_table("runs", ("configuration", "reached acc 0.95", "s for 800 steps",
-                                                   "process CPU s / wall s")), ttq_table)},
-        images=(("docs/figures/time_to_quality.png", plot_ttq),)),
-    "ttq_disaggregated": Figure(("python scripts/time_to_quality.py --out {out}",), collect_ttq,
+    "time_to_quality": Figure(("python scripts/time_to_quality.py --out DIR",), None, {
+        "runs": recorded_table("runs"), "speedups": recorded_table("speedups"),
+        "bench": recorded_table("runs", ("configuration", "reached acc 0.95", "s for 800 steps",
+                                         "process CPU s / wall s"))}),
+    "ttq_best": Figure(("python scripts/time_to_quality.py --out {out}",), collect_ttq,
+                       {"headline": ttq_headline, "table": ttq_best_table, "speedups": ttq_best_speedups},
+                       images=(("docs/figures/time_to_quality_best.png", plot_ttq),)),
+    # The runs before the headline against the best synchronous layout (the script's defaults then).
+    "ttq_disaggregated": Figure((TTQ_BEFORE + " --out {out}",), collect_ttq,
                                 {"table": ttq_table, "speedups": ttq_speedups}),
-    "ttq_teacher_engine": Figure(("python scripts/time_to_quality.py --teacher-scoring engine --out {out}",),
-                                 collect_ttq, {"table": ttq_table, "speedups": ttq_speedups},
-                                 images=(("docs/figures/time_to_quality_disaggregated.png", plot_ttq),)),
-    "ttq_worked": Figure(("python scripts/time_to_quality.py --config configs/demo_worked.py --out {out}",),
+    "ttq_teacher_engine": Figure((TTQ_BEFORE + " --teacher-scoring engine --out {out}",),
+                                 collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
+    "ttq_worked": Figure((TTQ_BEFORE + " --config configs/demo_worked.py --out {out}",),
                          collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
     "smollm2_vllm_async": Figure(tuple(
         "opdjax train --config configs/smollm2_opd.py --out {out}/" + kind + " --config.rollout.engine=vllm"

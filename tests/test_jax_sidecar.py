@@ -43,7 +43,7 @@ def test_the_sidecar_samples_what_the_in_process_engine_samples():
     assert os.sched_getaffinity(engine.pid) == set(allowed[-1:])
     assert all(os.sched_getaffinity(int(t)) == set(allowed[:-1]) for t in os.listdir("/proc/self/task"))
     _same(engine.generate(PROMPTS, TEMP1, seed=3), ref.generate(PROMPTS, TEMP1, seed=3))
-    update = engine.export(p1, 1)  # the seam's two halves: a host copy, then the shared-memory load
+    update = engine.export(p1, 1)  # the seam's two halves: a write into a shared-memory block, then its load
     engine.load(update)
     ref.sync(p1, 1)
     a, b = engine.generate(PROMPTS, TEMP1, seed=3), ref.generate(PROMPTS, TEMP1, seed=3)
@@ -51,8 +51,16 @@ def test_the_sidecar_samples_what_the_in_process_engine_samples():
     assert a.params_version == 1 and "time_reload_s" in update.stats
     assert not np.array_equal(np.asarray(a.completion_tokens),
                               np.asarray(ref.generate(PROMPTS, TEMP1, seed=4).completion_tokens))  # seeds matter
-    shm = f"/dev/shm/{engine._shm.name}"
+    shm = f"/dev/shm/{update.params.shm.name}"
     assert os.path.exists(shm)
+    # The block went back to the pool with the load: the next version reuses it; a released version's
+    # block too, and loading a version whose block was given back is refused, not a load of other params.
+    again = engine.export(p0, 2)
+    assert again.params.shm is update.params.shm
+    with pytest.raises(SidecarError, match="loaded after its export was released or loaded"):
+      engine.load(update)
+    engine.release(again)
+    assert engine.export(p1, 3).params.shm is update.params.shm
     with pytest.raises(UserError, match="exceeds the engine's max_len=32"):  # the sidecar's error, raised here
       engine.generate([list(range(1, 30))], TEMP1, seed=0)
     _same(engine.generate(PROMPTS, TEMP1, seed=3), b)  # still serving after an error

@@ -113,11 +113,12 @@ def measured_costs(records: list[dict], skip: int = 2) -> tuple[Costs, dict]:
     raise UserError(f"the run has {len(records)} records, none timed after the first {skip}: run more steps.")
   med = lambda key: statistics.median(r.get(key, 0.0) for r in timed)  # noqa: E731
   depth = int(timed[0].get("async_depth", 0))
-  if depth:  # the trainer's export is in time_train_s (publish); the producer loaded
+  if depth:  # the trainer's export is in time_train_s (publish, less its wait for the step); the producer loaded
     costs = Costs(generate=med("time_generate_s"), prepare=med("time_prepare_s"),
                   load=statistics.median(overlap.generate_side(r) - r.get("time_generate_s", 0.0)
                                          - r.get("time_prepare_s", 0.0) for r in timed),
-                  train=med("time_train_s") - med("time_publish_s"), export=med("time_publish_s"))
+                  train=med("time_train_s") - med("time_publish_s") + med("time_publish_wait_s"),
+                  export=med("time_publish_s") - med("time_publish_wait_s"))
   else:  # one thread: export and load are one weight sync, between the two sides
     costs = Costs(generate=med("time_generate_s"), prepare=med("time_prepare_s"), load=med("time_weight_sync_s"),
                   train=med("time_train_s"))

@@ -179,7 +179,10 @@ class AsyncSampler:
     with self._on_engine():
       engine_params = self.session.engine_params(self.engine, self.view, params, version, self.seed)
       update = self.engine.export(engine_params, version)
-    update.stats = {**update.stats, "time_publish_export_s": time.perf_counter() - t0}
+    # An engine that waits for the step computing the params (the JAX sidecar) reports the wait apart:
+    # it is that step's device time, the trainer's either way.
+    update.stats = {**update.stats, "time_publish_export_s": time.perf_counter() - t0
+                    - update.stats.get("time_export_wait_s", 0.0)}
     return update
 
   def _release(self, update: WeightUpdate) -> None:
@@ -216,6 +219,9 @@ class AsyncSampler:
     inline = sample.stats.pop("inline_s", 0.0)
     sample.stats["time_queue_wait_s"] = time.perf_counter() - t1 - inline - sample.stats.get("time_distribute_s", 0.0)
     sample.stats["time_publish_s"] = t1 - t0  # the trainer's: copy, view transform, export
+    with self._cv:
+      if step in self._versions.versions:
+        sample.stats["time_publish_wait_s"] = self._versions.update(step).stats.get("time_export_wait_s", 0.0)
     return sample
 
   def _distribute(self, step: int, got: Pending | None) -> Sample:

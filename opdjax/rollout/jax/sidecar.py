@@ -4,9 +4,10 @@
 Why a process: two XLA:CPU host devices of one process are not two cores (bench/core_split.py: a
 device's work runs on any thread of XLA's pools), and on a TPU pod one multi-controller program
 cannot split its hosts; a second JAX program on its own cores (chips) can. The same engine protocol
-as every engine (opdjax.rollout.base): `export` (trainer thread) copies the params to host memory;
-`load` (the sampling side) writes them into one shared-memory block (/dev/shm) the sidecar reads
-straight into its device arrays, then the block is free for the next version; `generate` sends the
+as every engine (opdjax.rollout.base): `export` (trainer thread) waits for the params and writes them
+into a shared-memory block (/dev/shm) of the engine's pool, one copy a leaf; `load` (the sampling side)
+sends the block's name, the sidecar reads it straight into its device arrays and acknowledges, and
+the block goes back to the pool (so does a version dropped unloaded, `release`); `generate` sends the
 prompts and gets the rollout's arrays back over a local socket (multiprocessing.connection, a
 per-engine key). The sidecar runs `JaxEngine` on the engine-view model, so it realises every view
 part the in-process engine does (packed FP8 weights arrive fake-quantized: `packed_weights=False`).
@@ -66,7 +67,8 @@ class JaxSidecarEngine(RolloutEngine):
                       f" of its own; on {jax.default_backend()} give the engine devices of its own with"
                       " rollout.devices and rollout.async_depth (placement colocated), or use rollout.engine='vllm'.")
     self.cpus, self.trainer_cpus = sorted(cpus), sorted(trainer_cpus)
-    self._version, self._shm, self._proc, self._conn = version, None, None, None
+    self._version, self._proc, self._conn = version, None, None
+    self._blocks = _Blocks()
     self.scores_teacher = teacher is not None
     self._lock = threading.Lock()  # one request at a time on the socket
     self._dir = tempfile.mkdtemp(prefix="opdjax-jax-sidecar-")
@@ -93,12 +95,11 @@ class JaxSidecarEngine(RolloutEngine):
       teacher_cfg = None if teacher is None else dataclasses.asdict(teacher[0].cfg)
       self._call(("init", dataclasses.asdict(model_cfg), max_len, pad_id, tuple(eos_ids), teacher_cfg))
       if teacher is not None:  # fixed: sent once, through a block of its own freed once it is loaded
-        block = None
+        block = _to_shm(teacher[1], None)
         try:
-          block, layout, structure = _to_shm(self.export(teacher[1], 0).params, None)
-          self._call(("teacher", block.name, layout, structure))
+          self._call(("teacher", block.shm.name, block.layout, block.structure))
         finally:
-          _free(block)
+          _free(block.shm)
       if params is not None:
         self.sync(params, version)
     except BaseException:
@@ -152,19 +153,32 @@ class JaxSidecarEngine(RolloutEngine):
     return self._version
 
   def export(self, params, version: int) -> WeightUpdate:
-    """A host copy (the next train step donates the device buffers), on the trainer's thread."""
+    """`params` written into a shared-memory block of the engine's pool (one copy, on the trainer's
+    thread; the next train step donates the device buffers). The wait for the step that computes
+    them is that step's device time, reported apart (`time_export_wait_s`), not the export's."""
     import jax
 
     t0 = time.perf_counter()
-    host = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(params))
-    return WeightUpdate(version, params=host, stats={"time_export_s": time.perf_counter() - t0})
+    jax.block_until_ready(params)
+    t1 = time.perf_counter()
+    block = _to_shm(params, self._blocks)
+    return WeightUpdate(version, params=block, stats={"time_export_s": time.perf_counter() - t1,
+                                                       "time_export_wait_s": t1 - t0})
 
   def load(self, update: WeightUpdate) -> None:
     t0 = time.perf_counter()
-    self._shm, layout, structure = _to_shm(update.params, self._shm)
-    self._call(("load", update.version, self._shm.name, layout, structure))
+    block = update.params
+    if not block.live:
+      raise SidecarError(f"params version {update.version} was loaded after its export was released or loaded.")
+    try:
+      self._call(("load", update.version, block.shm.name, block.layout, block.structure))
+    finally:  # the sidecar holds the version in its device arrays once it acknowledges: the block is free
+      self._blocks.give(block)
     self._version = update.version
     update.stats = {**update.stats, "time_reload_s": time.perf_counter() - t0}
+
+  def release(self, update: WeightUpdate) -> None:
+    self._blocks.give(update.params)
 
   def sync(self, params, version: int) -> None:
     self.load(self.export(params, version))
@@ -180,10 +194,6 @@ class JaxSidecarEngine(RolloutEngine):
                            teacher_hidden=jnp.asarray(arrays["teacher_hidden"]))
     return Rollout(*fields, params_version=version, sampling=sampling, seed=seed)
 
-  def _free_shm(self) -> None:
-    _free(self._shm)
-    self._shm = None
-
   def close(self) -> None:
     if self._conn is not None:
       with contextlib.suppress(Exception):
@@ -198,27 +208,69 @@ class JaxSidecarEngine(RolloutEngine):
         self._proc.wait(5)
       self._proc = None
       TRAINER.release()
-    self._free_shm()
+    self._blocks.close()
     shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _to_shm(params, shm: shared_memory.SharedMemory | None):
-  """(block, layout, structure): `params`' leaves written into `shm` (a new block when it is None or
-  too small; the old one freed), 64-byte aligned; `structure` the tree of leaf indices."""
+@dataclasses.dataclass
+class _Block:
+  """A params version in shared memory: the block, each leaf's (offset, shape, dtype) and the tree of
+  leaf indices (nested dicts)."""
+
+  shm: shared_memory.SharedMemory
+  layout: list
+  structure: object
+  live: bool = True  # False once given back to the pool (which may hand it to the next export)
+
+
+class _Blocks:
+  """The engine's shared-memory blocks, reused: exported versions take one (an asynchronous run holds
+  up to depth + 1 at once), a load or a release gives it back. Thread-safe (export on the trainer's
+  thread, load on the producer's)."""
+
+  def __init__(self):
+    self._free: list[shared_memory.SharedMemory] = []
+    self._all: list[shared_memory.SharedMemory] = []
+    self._lock = threading.Lock()
+
+  def take(self, size: int) -> shared_memory.SharedMemory:
+    with self._lock:
+      for i, shm in enumerate(self._free):
+        if shm.size >= size:
+          return self._free.pop(i)
+      shm = shared_memory.SharedMemory(create=True, size=max(size, 1))
+      self._all.append(shm)
+      return shm
+
+  def give(self, block: _Block | None) -> None:
+    with self._lock:
+      if block is not None and block.live:  # a second give (a load, then a release) is a no-op
+        block.live = False
+        if any(shm is block.shm for shm in self._all):
+          self._free.append(block.shm)
+
+  def close(self) -> None:
+    with self._lock:
+      for shm in self._all:
+        _free(shm)
+      self._all, self._free = [], []
+
+
+def _to_shm(params, blocks: _Blocks | None) -> _Block:
+  """`params`' leaves written into one block (64-byte aligned), from `blocks` or a new one of its own
+  (None). On CPU a leaf's host view is its device buffer: one copy a leaf, straight into the block."""
   import jax
 
   leaves, treedef = jax.tree.flatten(params)
-  leaves = [np.ascontiguousarray(x) for x in leaves]
+  leaves = [np.asarray(x) for x in leaves]
   layout, offset = [], 0
   for x in leaves:
     layout.append((offset, x.shape, x.dtype.str))
     offset += -(-x.nbytes // 64) * 64
-  if shm is None or shm.size < offset:
-    _free(shm)
-    shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
+  shm = blocks.take(offset) if blocks is not None else shared_memory.SharedMemory(create=True, size=max(offset, 1))
   for (off, _, _), x in zip(layout, leaves):
     np.ndarray(x.shape, x.dtype, buffer=shm.buf, offset=off)[...] = x
-  return shm, layout, jax.tree.unflatten(treedef, list(range(len(leaves))))  # nested dicts of leaf indices
+  return _Block(shm, layout, jax.tree.unflatten(treedef, list(range(len(leaves)))))
 
 
 def _free(shm: shared_memory.SharedMemory | None) -> None:
