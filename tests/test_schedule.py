@@ -174,3 +174,23 @@ def test_the_cli_prints_the_prediction_and_writes_json(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "best async k=1" in out and "vs sync disaggregated" in out and "vs sync colocated" in out
   assert cli.main(["plan", "--schedule"]) == 2  # no models, no runs: one error line
+
+
+def test_fp8_speedups_are_inputs_with_their_source(tmp_path, capsys):
+  """The planner cannot measure FP8 on CPU: a measured plan takes the speedup only with a source and
+  prints it as an input; a modelled plan says its FP8 factor comes from the datasheet and an assumption."""
+  runs = [_write(tmp_path, "a", _records(GEN_BOUND, 1)), _write(tmp_path, "s", _records(GEN_BOUND, 0))]
+  assert cli.main(["plan", "--schedule", "--measure", *runs, "--fp8-generate-speedup", "1.6"]) == 2
+  assert "--fp8-source" in capsys.readouterr().err
+  assert cli.main(["plan", "--schedule", "--measure", *runs, "--fp8-generate-speedup", "1.6", "--fp8-source",
+                   "a GPU benchmark", "--json", str(tmp_path / "m.json")]) == 0
+  assert "input, not measured or predicted: FP8 generation x1.6 faster" in capsys.readouterr().out
+  result = json.loads((tmp_path / "m.json").read_text())
+  assert result["inputs"] == {"fp8_generate_speedup": {"value": 1.6, "source": "a GPU benchmark"}}
+  plain = schedule.predict_measured(runs)
+  fp8 = {r["path"]: r["costs"]["generate"] for r in result["runs"]}
+  assert all(fp8[r["path"]] == pytest.approx(r["costs"]["generate"] / 1.6) for r in plain["runs"])
+  assert cli.main(["plan", "--schedule", "--teacher", "qwen3-8b", "--student", "qwen3-1.7b", "--devices", "16",
+                   "--batch", "256", "--seq-len", "4096", "--prompt-len", "512", "--fp8"]) == 0
+  out = capsys.readouterr().out
+  assert "input, not a prediction: FP8 generation x" in out and "datasheet" in out
