@@ -428,7 +428,9 @@ def schedule_validation_table(r: dict) -> str:
   line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
   beats = sum(abs(x["error"]) < abs(x["baseline_error"]) for x in res["rows"])
   worst = max(res["rows"], key=lambda x: abs(x["error"]))
-  summary = (f"{len(res['rows'])} layouts, {res['steps']} steps x {res.get('repeats', 1)} repeats each after"
+  steps = res["steps"] if isinstance(res["steps"], dict) else {"jax": res["steps"]}
+  summary = (f"{len(res['rows'])} layouts, {', '.join(f'{n} steps ({e} engine)' for e, n in steps.items())}"
+             f" x {res.get('repeats', 1)} repeats each after"
              f" {res['warmup']} warm-up steps a depth ({res['config']}, {res['cpu_count']} cores); largest error"
              f" {pct(worst['error'])} ({worst['layout']}); the algebra beats the source's step as is in {beats} of"
              f" {len(res['rows'])}.")
@@ -551,6 +553,6 @@ FIGURES: dict[str, Figure] = {
     "kv_qwen3_1p7b_block": _kv("qwen3-1.7b", 72, "27", "--recipe fp8_block --keep-edge-layers 1"),
     "kv_qwen3_8b_72": _kv("qwen3-8b", 72, "0,35"),
     "kv_qwen3_8b_21": _kv("qwen3-8b", 21.6, "0,35"),
-    "schedule_validation": Figure(("python scripts/validate_schedule.py --out {out}",),
+    "schedule_validation": Figure(("python scripts/validate_schedule.py --engines jax,vllm --out {out}",),
                                   _read_json("schedule_validation.json"), {"table": schedule_validation_table}),
 }

