@@ -216,7 +216,10 @@ def schedule_arguments(p: argparse.ArgumentParser) -> None:
   s.add_argument("--depth", type=int, default=1, help="async k, rollout.async_depth (default 1)")
   s.add_argument("--fp8", action="store_true", help="the engine's weights and KV cache in FP8 (FP8 GPUs)")
   s.add_argument("--fp8-generate-speedup", type=float, default=1.0, metavar="X",
-                 help="--measure: generation X times faster with FP8 (CPU cannot measure it: give X with its source)")
+                 help="--measure: generation X times faster with FP8, an input (CPU cannot measure it; needs"
+                      " --fp8-source)")
+  s.add_argument("--fp8-source", default="", metavar="TEXT",
+                 help="where --fp8-generate-speedup comes from (a benchmark, a paper), printed with it")
   s.add_argument("--efficiency", default="", metavar="NAME=F,...",
                  help=f"fractions of the peaks reached (default {','.join(f'{k}={v}' for k, v in EFFICIENCY.items())})")
 
@@ -227,7 +230,8 @@ def plan_schedule(args) -> int:
   if args.depth < 1:
     raise UserError(f"--depth {args.depth}: async k is >= 1 (the synchronous baselines are predicted with it).")
   if args.measure:
-    result = schedule.predict_measured(args.measure, args.depth, args.fp8_generate_speedup, args.steps)
+    result = schedule.predict_measured(args.measure, args.depth, args.fp8_generate_speedup, args.steps,
+                                         args.fp8_source)
   else:
     if not (args.teacher and args.student):
       raise UserError("--schedule models the costs from --teacher and --student (or give --measure RUN ...).")

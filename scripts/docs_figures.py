@@ -619,6 +619,31 @@ def weight_sync_line(r: dict) -> str:
           + (f", the export of a Qwen3-1.7B-shaped model {q}" if q else ""))
 
 
+def schedule_validation_table(r: dict) -> str:
+  """scripts/validate_schedule.py: per layout, the step predicted from another run's costs against the
+  measured one, beside the trivial predictor (the source run's measured step as it is)."""
+  res = r["result"]
+  pct = lambda x: f"{100 * x:+.0f}%"  # noqa: E731
+  head = ["layout", "costs from", "predicted ms/step", "measured ms/step (repeats)", "error",
+          "source's step as is", "overlap efficiency", "1-min load"]
+  rows = []
+  for x in res["rows"]:
+    reps = ", ".join(f"{1e3 * v:.1f}" for v in x.get("measured_step_s_repeats", [x["measured_step_s"]]))
+    rows.append([x["layout"], x["costs_from"], f"{1e3 * x['predicted_step_s']:.1f}",
+                 f"{1e3 * x['measured_step_s']:.1f} ({reps})", f"**{pct(x['error'])}**", pct(x["baseline_error"]),
+                 f"{x['overlap_efficiency']:.2f}", f"{min(x['load_1min']):.1f}-{max(x['load_1min']):.1f}"])
+  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+  beats = sum(abs(x["error"]) < abs(x["baseline_error"]) for x in res["rows"])
+  worst = max(res["rows"], key=lambda x: abs(x["error"]))
+  steps = res["steps"] if isinstance(res["steps"], dict) else {"jax": res["steps"]}
+  summary = (f"{len(res['rows'])} layouts, {', '.join(f'{n} steps ({e} engine)' for e, n in steps.items())}"
+             f" x {res.get('repeats', 1)} repeats each after"
+             f" {res['warmup']} warm-up steps a depth ({res['config']}, {res['cpu_count']} cores); largest error"
+             f" {pct(worst['error'])} ({worst['layout']}); the algebra beats the source's step as is in {beats} of"
+             f" {len(res['rows'])}.")
+  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows), "", summary])
+
+
 # ---------------------------------------------------------------- the registry
 @dataclass(frozen=True)
 class Figure:
@@ -788,6 +813,8 @@ FIGURES: dict[str, Figure] = {
     "kv_qwen3_1p7b_block": _kv("qwen3-1.7b", 72, "27", "--recipe fp8_block --keep-edge-layers 1"),
     "kv_qwen3_8b_72": _kv("qwen3-8b", 72, "0,35"),
     "kv_qwen3_8b_21": _kv("qwen3-8b", 21.6, "0,35"),
+    "schedule_validation": Figure(("python scripts/validate_schedule.py --engines jax,vllm --out {out}",),
+                                  _read_json("schedule_validation.json"), {"table": schedule_validation_table}),
 }
 
 

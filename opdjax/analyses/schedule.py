@@ -22,7 +22,9 @@ Costs come from either
   split opdjax.pipeline.loop.Timing writes; medians after the first steps; a config file given
   there is run here, `--steps` steps synchronously timed and with async_depth=k, on one Session
   that compiled both first), each run's costs also predicting the measured step of a run of the
-  other kind given with it (the validation; the same placement assumed), or
+  other kind given with it (a consistency check on the runs given, the same placement assumed; the
+  validation on measured layouts, each predicted from other runs' costs only, is
+  scripts/validate_schedule.py, rendered in docs/async.md), or
 - a model of the layout's accelerators (opdjax.analyses.schedule_model).
 """
 
@@ -155,9 +157,17 @@ def measure_config(path: str, steps: int, k: int) -> list[tuple[str, list[dict]]
   return [(f"{path} (sync)", sync), (f"{path} (async k={k})", asynchronous)]
 
 
-def predict_measured(paths: list[str], k: int = 1, fp8_generate_speedup: float = 1.0, steps: int = 30) -> dict:
+def predict_measured(paths: list[str], k: int = 1, fp8_generate_speedup: float = 1.0, steps: int = 30,
+                     fp8_source: str = "") -> dict:
   """Predictions from each run's measured costs (their own placement) and, where a run of the other
-  kind is given too, its measured step beside the prediction. A config file (.py) is run here."""
+  kind is given too, its measured step beside the prediction. A config file (.py) is run here.
+  `fp8_generate_speedup` divides the measured generate cost: an input (a CPU cannot measure FP8's
+  speed; its `fp8_source` says where the number comes from), never a prediction."""
+  if fp8_generate_speedup != 1.0 and not fp8_source.strip():
+    raise UserError(f"--fp8-generate-speedup {fp8_generate_speedup}: an input, not something the planner measures;"
+                    " give its source with --fp8-source TEXT (e.g. a GPU benchmark of the FP8 engine).")
+  if fp8_generate_speedup <= 0:
+    raise UserError(f"--fp8-generate-speedup {fp8_generate_speedup}: give a factor > 0 (1: no FP8).")
   sources, runs = [], []
   for path in paths:
     sources += measure_config(path, steps, k) if path.endswith(".py") else [(path, read_records(path))]
@@ -172,8 +182,11 @@ def predict_measured(paths: list[str], k: int = 1, fp8_generate_speedup: float =
                                "overlap_speedup_bound": overlap.speedup_bound(costs.producer, costs.trainer)}})
     own = async_step(costs, k) if measured["async_depth"] else sync_step(costs)  # its own kind: the algebra alone
     runs[-1]["predicted"]["own_step_error"] = own / measured["step_s"] - 1 if measured["step_s"] else None
-  out = {"mode": "measured", "k": k, "fp8_generate_speedup": fp8_generate_speedup, "runs": runs, "checks": []}
-  # Each run's costs predict the other kind's step (the same placement assumed): the validation.
+  out = {"mode": "measured", "k": k, "runs": runs, "checks": [],
+         "inputs": ({"fp8_generate_speedup": {"value": fp8_generate_speedup, "source": fp8_source.strip()}}
+                    if fp8_generate_speedup != 1.0 else {})}
+  # Each run's costs predict the other kind's step (the same placement assumed): a consistency check
+  # on the runs given; scripts/validate_schedule.py is the validation on measured layouts.
   for a in runs:
     for b in runs:
       if a is b or bool(a["measured"]["async_depth"]) == bool(b["measured"]["async_depth"]):
@@ -195,6 +208,10 @@ def report(result: dict) -> str:
   k = result["k"]
   if result["mode"] == "measured":
     lines = [f"opdjax plan --schedule (measured costs; async k={k}, predicted steady state)"]
+    fp8 = result.get("inputs", {}).get("fp8_generate_speedup")
+    if fp8:
+      lines.append(f"  input, not measured or predicted: FP8 generation x{fp8['value']:g} faster (each run's generate"
+                   f" cost divided by it); source: {fp8['source']}")
     for run in result["runs"]:
       c, m, p = run["costs"], run["measured"], run["predicted"]
       kind = f"async k={m['async_depth']}" if m["async_depth"] else "sync (timed)"
@@ -214,7 +231,8 @@ def report(result: dict) -> str:
   lay, ba, bs = result["layout"], result["best_async"], result["best_sync_disaggregated"]
   lines = [f"opdjax plan --schedule (modelled, predicted): {lay['devices']} x {lay['device']}, batch {lay['batch']} x"
            f" {lay['seq_len']} (prompt {lay['prompt_len']}){', FP8 engine' if lay['fp8'] else ''}; async k={k}",
-           f"  efficiency {lay['efficiency']}; device: {lay['source']}", "",
+           f"  efficiency {lay['efficiency']}; device: {lay['source']}",
+           *([f"  input, not a prediction: {result['inputs']['fp8']['text']}"] if lay["fp8"] else []), "",
            f"  {'rollout/trainer':<17}{'generate':>11}{'train':>11}{'sync':>10}{'sync disagg':>13}"
            f"{f'async k={k}':>11}"]
   for s in result["splits"]:

@@ -195,6 +195,17 @@ def predict_modelled(lay: Layout, k: int = 1, rollout_devices: int = 0) -> dict:
          "speedup_async_vs_sync_disaggregated": best_sync["sync_disaggregated_s"] / best_async[f"async_k{k}_s"],
          "speedup_async_vs_sync_disaggregated_same_split": (best_async["sync_disaggregated_s"]
                                                             / best_async[f"async_k{k}_s"])}
+  if lay.fp8:  # what FP8 changes is given, not predicted: the datasheet's peak and 1-byte weights and KV
+    bf16 = dataclasses.replace(lay, fp8=False)
+    r = best_async["rollout_devices"]
+    speedup = generate_seconds(bf16, r) / generate_seconds(lay, r)
+    out["inputs"] = {"fp8": {
+        "fp8_flops": lay.spec["fp8_flops"], "bf16_flops": lay.spec["bf16_flops"], "weight_kv_bytes": 1,
+        "generate_speedup_at_best_split": speedup,
+        "source": lay.spec["source"] + "; 1-byte FP8 weights and KV cache (an assumption, not measured)",
+        "text": f"FP8 generation x{speedup:.2f} faster at {r} rollout devices, from the datasheet's FP8 peak"
+                f" ({lay.spec['fp8_flops'] / 1e12:,.1f} vs {lay.spec['bf16_flops'] / 1e12:,.1f} TFLOPS) and 1-byte"
+                " weights and KV read (assumed); no FP8 run measured it (source: the device line above)"}}
   if colocated is not None:
     out["sync_colocated_s"] = sync_step(colocated)
     out["colocated_costs"] = dataclasses.asdict(colocated)
