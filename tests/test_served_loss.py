@@ -35,18 +35,18 @@ def served_answer(h_t, w_t, targets, mask, k):
   return {key: jnp.asarray(v, jnp.int32 if key.endswith("ids") else jnp.float32) for key, v in out.items()}, logp
 
 
-def _losses(kind, k, seed=0, t_scale=1.5):
+def _losses(kind, k, seed=0, t_scale=1.5, **opts):
   h_s, w_s, h_t, w_t, targets, mask = _case(seed, t_scale)
   answer, logp_t = served_answer(h_t, w_t, targets, mask, k)
   zeros = jnp.zeros((B, L), jnp.float32)
 
   def trainer(h_s, w_s, trainer_kind):
-    cfg = LossConfig(kind=trainer_kind, topk=k or 1, chunk=3)
+    cfg = LossConfig(kind=trainer_kind, topk=k or 1, chunk=3, **opts)
     return fused_opd_loss(h_s, w_s, h_t, w_t, targets, zeros, mask, cfg, jnp.float32)[0]
 
   def served(h_s, w_s):
-    return fused_served_loss(h_s, w_s, answer, targets, zeros, mask, LossConfig(kind=kind, topk=k or 1, chunk=3),
-                             jnp.float32)[0]
+    cfg = LossConfig(kind=kind, topk=k or 1, chunk=3, **opts)
+    return fused_served_loss(h_s, w_s, answer, targets, zeros, mask, cfg, jnp.float32)[0]
 
   return (h_s, w_s, targets, mask, logp_t, answer), trainer, served
 
@@ -55,8 +55,9 @@ def _value_and_grads(fn, h_s, w_s, *extra):
   return jax.value_and_grad(lambda h, w: fn(h, w, *extra), argnums=(0, 1))(h_s, w_s)
 
 
-def test_sampled_rkl_from_the_served_target_logprob_equals_the_trainer_teachers_loss_and_gradients():
-  (h_s, w_s, *_), trainer, served = _losses("sampled_rkl", 0)
+@pytest.mark.parametrize("opts", [{}, {"baseline": "loo", "student_term": "exact"}], ids=["plain", "loo-exact"])
+def test_sampled_rkl_from_the_served_target_logprob_equals_the_trainer_teachers_loss_and_gradients(opts):
+  (h_s, w_s, *_), trainer, served = _losses("sampled_rkl", 0, **opts)
   a, ga = _value_and_grads(trainer, h_s, w_s, "sampled_rkl")
   b, gb = _value_and_grads(served, h_s, w_s)
   assert abs(float(a)) > 1e-3

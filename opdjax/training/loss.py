@@ -7,7 +7,13 @@ the step reduces it with a masked mean `sum(m * w * term) / max(sum(m), 1)`.
 - `sampled_rkl`: policy-gradient form of reverse KL on the sampled token (the
   "on-policy distillation" estimator). Advantage a = -(log p_s(y) - log p_t(y)),
   held constant; term = -a * log p_s(y). Its gradient is the single-sample
-  estimate of grad KL(p_s || p_t) along the student's own trajectory.
+  estimate of grad KL(p_s || p_t) along the student's own trajectory. Two variance
+  reductions keep its expectation: `baseline='loo'` subtracts from a the masked mean
+  of the other rows' advantages at the same position (independent of this row's y,
+  so E[b grad log p_s(y)] = 0); `student_term='exact'` samples only the teacher's
+  half: a = log p_t(y) and the student's half E_y[log p_s(y) grad log p_s(y)] =
+  grad sum_v p_s log p_s is taken over the whole vocabulary the trainer holds
+  (term = -sg(a - b) log p_s(y) + sum_v p_s log p_s).
 - `full_rkl`: exact KL(p_s || p_t) = sum_v p_s (log p_s - log p_t) per position.
 - `topk_rkl`: the same over the top-k support S of the teacher (or student) plus
   one tail bucket holding the mass outside S for each side.
@@ -37,6 +43,7 @@ from opdjax.rollout.sampling import sampling_logprobs
 
 OBJECTIVES = ("sampled_rkl", "full_rkl", "topk_rkl", "forward_kl", "jsd")
 IS_MODES = ("none", "tis", "mis")
+BASELINES = ("none", "loo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +54,8 @@ class LossConfig:
   jsd_beta: float = 0.5
   is_correction: str = "none"  # none | tis | mis
   is_threshold: float = 2.0
+  baseline: str = "none"  # sampled_rkl: none | loo (the other rows' mean advantage at the same position)
+  student_term: str = "sampled"  # sampled_rkl: sampled | exact (the student's half from its whole distribution)
   chunk: int = 256  # sequence positions per chunk of [B, chunk, V] logits
 
   def __post_init__(self):
@@ -54,6 +63,10 @@ class LossConfig:
       raise UserError(f"loss.kind={self.kind!r}; choose one of {', '.join(OBJECTIVES)}.")
     if self.is_correction not in IS_MODES:
       raise UserError(f"loss.is_correction={self.is_correction!r}; choose one of {', '.join(IS_MODES)}.")
+    if self.baseline not in BASELINES:
+      raise UserError(f"loss.baseline={self.baseline!r}; choose one of {', '.join(BASELINES)}.")
+    if self.student_term not in ("sampled", "exact"):
+      raise UserError(f"loss.student_term={self.student_term!r}; choose 'sampled' or 'exact'.")
     if self.topk_support not in ("teacher", "student"):
       raise UserError(f"loss.topk_support={self.topk_support!r}; choose 'teacher' or 'student'.")
     if not 0.0 < self.jsd_beta < 1.0:
@@ -90,7 +103,26 @@ SERVED_KEYS = ("teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")
 TAIL_FLOOR = 1e-6
 
 
-def served_terms(logits_s, teacher: dict, targets, cfg: LossConfig) -> dict[str, jax.Array]:
+def _sampled_rkl(logp_s, lp_s, lp_t, mask, cfg: LossConfig):
+  """The per-token term of `sampled_rkl` (module docstring): -sg(a - b) log p_s(y), with a = log p_t(y) -
+  log p_s(y), or a = log p_t(y) plus the exact -H(p_s) with `student_term='exact'`; b the `baseline`."""
+  a = jax.lax.stop_gradient(lp_t if cfg.student_term == "exact" else lp_t - lp_s)
+  if cfg.baseline == "loo":
+    if mask is None:
+      raise ValueError("loss.baseline='loo' needs the loss mask (the rows' tokens to average over)")
+    a = a - loo_mean(a, jax.lax.stop_gradient(mask))
+  term = -a * lp_s
+  return term + jnp.sum(jnp.exp(logp_s) * logp_s, axis=-1) if cfg.student_term == "exact" else term
+
+
+def loo_mean(x, mask):
+  """Per position, the masked mean of `x` over the other rows (axis 0); 0 where no other row has a token."""
+  m = mask.astype(jnp.float32)
+  total, count = jnp.sum(m * x, axis=0), jnp.sum(m, axis=0)
+  return (total - m * x) / jnp.maximum(count - m, 1.0)
+
+
+def served_terms(logits_s, teacher: dict, targets, cfg: LossConfig, mask=None) -> dict[str, jax.Array]:
   """`per_token_terms` with a served teacher: `teacher` holds what its server returned per position
   (`teacher_logprobs`: the log-prob of the sampled target; for `topk_rkl` also `teacher_topk_ids` /
   `teacher_topk_logprobs`: its top-K, K = loss.topk). `sampled_rkl` is exact (it needs only the target's
@@ -103,7 +135,7 @@ def served_terms(logits_s, teacher: dict, targets, cfg: LossConfig) -> dict[str,
   lp_s = jnp.take_along_axis(logp_s, targets[..., None], axis=-1)[..., 0]
   lp_t = jax.lax.stop_gradient(teacher["teacher_logprobs"].astype(jnp.float32))
   if cfg.kind == "sampled_rkl":
-    term = -jax.lax.stop_gradient(lp_t - lp_s) * lp_s
+    term = _sampled_rkl(logp_s, lp_s, lp_t, mask, cfg)
   elif cfg.kind == "topk_rkl":
     ids = teacher["teacher_topk_ids"]
     lpt_k = jax.lax.stop_gradient(teacher["teacher_topk_logprobs"].astype(jnp.float32))
@@ -132,7 +164,7 @@ def mass_outside(logp_k):
   return -jnp.expm1(top[..., 0] + jnp.log1p(others))
 
 
-def per_token_terms(logits_s, logits_t, targets, cfg: LossConfig) -> dict[str, jax.Array]:
+def per_token_terms(logits_s, logits_t, targets, cfg: LossConfig, mask=None) -> dict[str, jax.Array]:
   """Per-position objective term and diagnostics from `[..., V]` logits.
 
   `logits_t` is treated as a constant (teacher); gradients flow through `logits_s`.
@@ -143,7 +175,7 @@ def per_token_terms(logits_s, logits_t, targets, cfg: LossConfig) -> dict[str, j
   lp_t = jnp.take_along_axis(logp_t, targets[..., None], axis=-1)[..., 0]
   rkl = _kl(logp_s, logp_t)
   if cfg.kind == "sampled_rkl":
-    term = -jax.lax.stop_gradient(lp_t - lp_s) * lp_s
+    term = _sampled_rkl(logp_s, lp_s, lp_t, mask, cfg)
   elif cfg.kind == "full_rkl":
     term = rkl
   elif cfg.kind == "topk_rkl":
@@ -233,9 +265,9 @@ def _fused_forward(h_s, w_s, teacher: dict, w_t, targets, rollout_lp, mask, cfg:
     ls = _logits(hs, w_s, dtype)
     if w_t is not None:  # the teacher's hidden states: its logits from its output matrix, chunk by chunk
       lt = _logits(t["hidden"], w_t, dtype)
-      terms_fn = lambda ls: per_token_terms(ls, lt, tgt, cfg)  # noqa: E731
+      terms_fn = lambda ls: per_token_terms(ls, lt, tgt, cfg, m)  # noqa: E731
     else:  # a served teacher's answer (served_terms)
-      terms_fn = lambda ls: served_terms(ls, t, tgt, cfg)  # noqa: E731
+      terms_fn = lambda ls: served_terms(ls, t, tgt, cfg, m)  # noqa: E731
     term, vjp_fn, terms = jax.vjp(lambda ls: _term_and_aux(terms_fn(ls)), ls, has_aux=True)
     lp_s = terms.pop("trainer_logprobs")  # the objective's: the student at T = 1
     lp_tr = lp_s if sampling is None else processed_logprobs(ls, tgt, sampling)
