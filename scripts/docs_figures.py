@@ -194,14 +194,19 @@ def kv_table(r: dict) -> str:
   return "\n".join(["```", *map(fmt, [list(cols), *rows]), "```"])
 
 
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+  """A Markdown table: the header, its `| --- |` rule, one line a row."""
+  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows)])
+
+
 def recorded_table(view: str, columns: tuple[str, ...] = ()) -> Callable[[dict], str]:
   """A table kept as recorded (cells as written then): {"columns": [...], "rows": [[...], ...]};
   `columns` renders a subset of them (another page's view of the same runs)."""
   def render(r: dict) -> str:
     t = r["result"][view]
     keep = [t["columns"].index(c) for c in columns] if columns else range(len(t["columns"]))
-    line = lambda cells: "| " + " | ".join(cells[i] for i in keep) + " |"
-    return "\n".join([line(t["columns"]), "|" + "|".join(" --- " for _ in keep) + "|", *map(line, t["rows"])])
+    return markdown_table([t["columns"][i] for i in keep], [[row[i] for i in keep] for row in t["rows"]])
   return render
 
 
@@ -239,8 +244,7 @@ def ttq_table(r: dict) -> str:
                  _seeds((x["loadavg_1min"][0] for x in rs), "{:.0f}")])
   head = ["configuration", f"reached acc {target}", f"s to acc {target} (seeds)", f"s for {steps} steps",
           "final acc (median)", "CPU s / wall s: trainer + engine process", "load"]
-  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
-  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows)])
+  return markdown_table(head, rows)
 
 
 def ttq_speedups(r: dict) -> str:
@@ -318,8 +322,7 @@ def ttq_best_table(r: dict) -> str:
   head = ["configuration", "layout", f"s to reverse KL {tk:.3g} (seeds)", f"reached acc {ta}",
           f"s for {res['steps']} steps", "final reverse KL (median)", "CPU s / wall s: trainer + engine process",
           "trainer step / sync's", "load (median 1-min)", "flagged"]
-  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
-  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows)])
+  return markdown_table(head, rows)
 
 
 def ttq_best_speedups(r: dict) -> str:
@@ -502,11 +505,6 @@ def reproduction_summary(r: dict) -> str:
   return f"{minutes:.0f} minutes ({'complete' if res['complete'] else 'incomplete'}): {outcomes}"
 
 
-def _ttq_view(old: Callable[[dict], str], new: Callable[[dict], str]) -> Callable[[dict], str]:
-  """The recorded tables of time_to_quality.json until it is re-measured, then the run's own."""
-  return lambda r: old(r) if recorded(r) else new(r)
-
-
 def _jsonl(name: str) -> Callable[[str], dict]:
   return lambda run: {"records": [json.loads(line) for line in open(os.path.join(run, name)) if line.strip()]}
 
@@ -549,14 +547,13 @@ def served_teacher_table(r: dict) -> str:
                  mib(w["trainer_bytes"]["vllm"]), f"**{w['trainer_memory_ratio']:.3f}**",
                  mib(w["teacher_param_bytes"]), f"{w['trainer_rss_ratio']:.3f}", f"{w['server_peak_rss'] / 2**20:.0f}",
                  f"{w['steps_timed']['trainer']} + {w['steps_timed']['vllm']}", f"{min(loads):.1f}-{max(loads):.1f}"])
-  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
   la = res["load_average"]
   under = (f"Measured under load (1-minute load average {la['runs_min_max'][0]:.1f}-{la['runs_min_max'][1]:.1f} on"
            f" {la['cores']} cores, other jobs running): the step times are not this box's speed, and a ratio marked"
            " (noise) is within the spread of the trainer side's own rounds (of its steps, with one round)."
            if res["measured_under_load"] else
            f"Load average {la['runs_min_max'][0]:.1f}-{la['runs_min_max'][1]:.1f} on {la['cores']} cores.")
-  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows), "", under])
+  return "\n".join([markdown_table(head, rows), "", under])
 
 
 def weight_sync_table(r: dict) -> str:
@@ -574,7 +571,6 @@ def weight_sync_table(r: dict) -> str:
                    f"{probe:.3f}" if side == "new" else "-", f"{total:.3f}",
                    f"**{m['today_s'] / total:.2f}x**" if side == "new" else "1"])
   head = ["model", "path", "GB", "export s", "export GB/s", "reload s", "probe s", "update s", "speedup"]
-  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
   s, la = res["models"][0], res["load_average"]
   notes = [f"- memory copy {res['copy_gbps']:.2f} GB/s, write into /dev/shm {res['shm_write_gbps']:.2f} GB/s (same run,"
            " best of 5, 512 MiB): an export's physical limits on one host.",
@@ -590,7 +586,7 @@ def weight_sync_table(r: dict) -> str:
              f" write {m['new_write_s']:.3f} s." for m in res["models"]),
            f"- load average {la['start'][0]:.1f} at the start, {la['end'][0]:.1f} at the end ({la['cores']} cores);"
            f" median of {res['reps']} updates a path after a warm-up.", *(f"- {x}" for x in res["skipped"])]
-  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows), "", *notes])
+  return "\n".join([markdown_table(head, rows), "", *notes])
 
 
 def _qwen_export(res: dict) -> str:
@@ -632,7 +628,6 @@ def schedule_validation_table(r: dict) -> str:
     rows.append([x["layout"], x["costs_from"], f"{1e3 * x['predicted_step_s']:.1f}",
                  f"{1e3 * x['measured_step_s']:.1f} ({reps})", f"**{pct(x['error'])}**", pct(x["baseline_error"]),
                  f"{x['overlap_efficiency']:.2f}", f"{min(x['load_1min']):.1f}-{max(x['load_1min']):.1f}"])
-  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
   beats = sum(abs(x["error"]) < abs(x["baseline_error"]) for x in res["rows"])
   worst = max(res["rows"], key=lambda x: abs(x["error"]))
   steps = res["steps"] if isinstance(res["steps"], dict) else {"jax": res["steps"]}
@@ -641,7 +636,7 @@ def schedule_validation_table(r: dict) -> str:
              f" {res['warmup']} warm-up steps a depth ({res['config']}, {res['cpu_count']} cores); largest error"
              f" {pct(worst['error'])} ({worst['layout']}); the algebra beats the source's step as is in {beats} of"
              f" {len(res['rows'])}.")
-  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows), "", summary])
+  return "\n".join([markdown_table(head, rows), "", summary])
 
 
 # ---------------------------------------------------------------- the registry
