@@ -758,7 +758,8 @@ FIGURES: dict[str, Figure] = {
     "ttq_disaggregated": Figure((TTQ_BEFORE + " --out {out}",), collect_ttq,
                                 {"table": ttq_table, "speedups": ttq_speedups}),
     "ttq_teacher_engine": Figure((TTQ_BEFORE + " --teacher-scoring engine --out {out}",),
-                                 collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
+                                 collect_ttq, {"table": ttq_table, "speedups": ttq_speedups},
+                                 images=(("docs/figures/time_to_quality_disaggregated.png", plot_ttq),)),
     "ttq_worked": Figure((TTQ_BEFORE + " --config configs/demo_worked.py --out {out}",),
                          collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
     "smollm2_vllm_async": Figure(tuple(
