@@ -49,6 +49,18 @@ def vllm_cache_root(tmp_path_factory):
   return path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def free_compiled_programs():
+  """After each test file, JAX's in-memory programs and traces go (the persistent cache keeps them on disk):
+  a pytest-xdist worker otherwise keeps every program of every file it ran, and the full suite's workers
+  grew to 6-8 GiB resident on a 23 GiB box that also runs the tests' vLLM servers."""
+  yield
+  import gc
+
+  jax.clear_caches()
+  gc.collect()
+
+
 @pytest.fixture
 def make_hf_model(tmp_path):
   """`make(model_type, seed, save_kw=None, **hf_config) -> (torch model, saved folder)`.
@@ -156,12 +168,24 @@ def vllm_engine(vllm_tiny, vllm_home):
                            batch_size=helpers.VLLM_BATCH, max_new_tokens=6, pad_id=0, eos_ids=(), out_dir=str(out))
   srv = eng.server
   assert srv.token == token and srv.api_key == token
+  _SESSION_ENGINE.append(eng)
   yield eng
+  if _SESSION_ENGINE:  # not stopped after the unit's last test already
+    _close_session_engine()
+
+
+_SESSION_ENGINE = []  # the `vllm_engine` this process started, until it is closed
+
+
+def _close_session_engine():
+  """Stop the session's vLLM server (once its unit's tests are done: its memory goes back to the suite)."""
+  eng = _SESSION_ENGINE.pop()
+  srv = eng.server
   assert srv.running
   eng.close()
   assert not srv.running and srv.pid is None  # close() stops the server the engine started
   with open(srv.log_path) as f:
-    assert token not in f.read()  # vLLM logged its arguments, never the token
+    assert srv.token not in f.read()  # vLLM logged its arguments, never the token
 
 
 @pytest.fixture(scope="session")
@@ -191,22 +215,32 @@ def pytest_configure(config):
 # The files that take longest in the full suite, slowest first (idle 2-core box, pytest --durations=0):
 # they run first, so that pytest-xdist's workers, which take whole files in this order, end together
 # (the short files fill in last) instead of one worker starting a four-minute file at the end.
-SLOWEST_FILES = ("test_async_multi.py", "test_weight_sync.py", "test_parallel.py", "test_vllm.py",
+SLOWEST_FILES = ("test_served_teacher.py", "test_served_teacher_vllm.py", "test_async_multi.py", "test_weight_sync.py",
+                 "test_parallel.py", "test_vllm.py",
                  "test_pipeline.py", "test_vllm_multi.py", "test_mismatch.py", "test_reproduce.py",
                  "test_async_mesh.py", "test_train_hf.py", "test_train.py", "test_vllm_auth.py", "test_cpus.py",
                  "test_async.py", "test_run_errors.py", "test_checkpoint.py", "test_admission.py", "test_fetch.py")
 
 
 # The files whose tests use the session's vLLM server (`vllm_engine`): pytest-xdist gives them to one
-# worker as one unit, so the server starts once a session (35-55 s on 2 cores), not once a worker.
+# worker as one unit, so the server starts once a session (35-55 s on 2 cores), not once a worker; the
+# server stops after the unit's last test (pytest_runtest_teardown), not at the end of the session.
 SESSION_SERVER_FILES = ("test_vllm.py", "test_vllm_multi.py", "test_vllm_auth.py")
+
+# Files that start several vLLM servers of their own (each ~1.5 GiB resident and 2 busy processes): one
+# work unit, so one worker runs them one after the other. Run side by side, the full suite on the 2-core,
+# 23 GiB box held 5-6 servers at once, ran out of memory (a worker died) and took 49 min.
+SERVER_HEAVY_FILES = ("test_served_teacher.py", "test_served_teacher_vllm.py")
+
+UNITS = {**dict.fromkeys(SESSION_SERVER_FILES, "the session's vLLM server"),
+         **dict.fromkeys(SERVER_HEAVY_FILES, "the served teachers' servers")}
 
 
 # optionalhook: without pytest-xdist (the GPU image has none, or `-p no:xdist`) pytest would refuse
 # these unknown hooks with an INTERNALERROR and run no test at all.
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-  """--dist loadfile, with the SESSION_SERVER_FILES in one work unit."""
+  """--dist loadfile, with the SESSION_SERVER_FILES in one work unit and the SERVER_HEAVY_FILES in another."""
   if config.getoption("dist") != "loadfile":
     return None
   from xdist.scheduler import LoadFileScheduling
@@ -214,7 +248,7 @@ def pytest_xdist_make_scheduler(config, log):
   class Scheduling(LoadFileScheduling):
     def _split_scope(self, nodeid):
       scope = super()._split_scope(nodeid)
-      return "the session's vLLM server" if os.path.basename(scope) in SESSION_SERVER_FILES else scope
+      return UNITS.get(os.path.basename(scope), scope)
 
   return Scheduling(config, log)
 
@@ -234,6 +268,9 @@ def pytest_collection_modifyitems(config, items):
   Tests that start vLLM (35-45 s a server on 2 cores) belong to the full suite, not the fast tier
   (`-m "not slow"`); tests marked `gpu` are skipped, with the reason shown, when JAX sees no GPU."""
   rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+  for group in (SESSION_SERVER_FILES, SERVER_HEAVY_FILES):  # a unit's files side by side without xdist too
+    first = min(rank.get(name, len(rank)) for name in group)
+    rank.update({name: first + i / len(group) for i, name in enumerate(group)})
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
   apart = sorted({item.path.name for item in items if "vllm_engine" in getattr(item, "fixturenames", ())
                   and item.path.name not in SESSION_SERVER_FILES})
@@ -250,6 +287,14 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+def pytest_runtest_teardown(item, nextitem):
+  """After the last test of SESSION_SERVER_FILES (they run side by side, see pytest_collection_modifyitems),
+  the session's vLLM server stops: no later test may use it (the collection refuses other files that do)."""
+  if _SESSION_ENGINE and item.path.name in SESSION_SERVER_FILES and (
+      nextitem is None or nextitem.path.name not in SESSION_SERVER_FILES):
+    _close_session_engine()
 
 
 def pytest_runtest_setup(item):

@@ -174,7 +174,8 @@ def test_a_killed_teacher_server_stops_the_run_in_one_line_and_the_same_command_
   require_vllm()
   out = tmp_path / "run"
   cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", CONFIG, "--out", str(out), "--config.train.steps=60",
-         "--config.train.checkpoint_every=5", "--config.train.eval_every=1000", "--config.task.num_eval=16"]
+         "--config.train.checkpoint_every=5", "--config.train.eval_every=1000", "--config.task.num_eval=16",
+         "--config.rollout.batch_size=64"]  # half the config's rollouts: a kill and a resume need no learning
   env = {**os.environ, "PYTHONPATH": ROOT}
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
   metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
