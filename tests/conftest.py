@@ -49,6 +49,19 @@ def vllm_cache_root(tmp_path_factory):
   return path
 
 
+@pytest.fixture(autouse=True)
+def environment_restored():
+  """What a test (or a script it imports: scripts/time_to_quality.py and validate_schedule.py set
+  JAX_NUM_CPU_DEVICES=2 for their own runs) puts in os.environ goes after it: later tests' subprocesses
+  inherit os.environ, and a leaked JAX_NUM_CPU_DEVICES=2 overrode test_checkpoint's four host devices in the
+  full suite (it passed alone). The session's and modules' fixtures set theirs before this snapshot."""
+  before = dict(os.environ)
+  yield
+  for key in set(os.environ) - set(before):
+    del os.environ[key]
+  os.environ.update({k: v for k, v in before.items() if os.environ.get(k) != v})
+
+
 @pytest.fixture(scope="module", autouse=True)
 def free_compiled_programs():
   """After each test file, JAX's in-memory programs and traces go (the persistent cache keeps them on disk):

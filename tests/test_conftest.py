@@ -36,3 +36,26 @@ def test_pytest_workers_on_a_gpu_node_take_a_share_each_not_75_percent(tmp_path)
                          str(tmp_path / "test_env.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_a_test_that_sets_environment_variables_leaks_none_to_the_next(tmp_path):
+  """conftest's environment_restored: what one test (or a script it imports) puts in os.environ, changed or
+  new, is gone at the next; the subprocesses of later tests inherit os.environ. The suite's conftest, run on a
+  two-test file (JAX_NUM_CPU_DEVICES=2 leaked from an imported script once gave another file's subprocess 2
+  host devices instead of 4)."""
+  for name in ("conftest.py", "helpers.py"):
+    (tmp_path / name).symlink_to(os.path.join(ROOT, "tests", name))
+  (tmp_path / "test_leak.py").write_text(
+      "import os\n"
+      "def test_sets():\n"
+      "  os.environ['JAX_NUM_CPU_DEVICES'] = '2'\n"
+      "  os.environ['OPDJAX_TEST_KNOB'] = 'changed'\n"
+      "def test_sees_none():\n"
+      "  assert 'JAX_NUM_CPU_DEVICES' not in os.environ and os.environ['OPDJAX_TEST_KNOB'] == 'kept'\n")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+  env.update(JAX_PLATFORMS="cpu", OPDJAX_TEST_KNOB="kept",
+             PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-o", "addopts=", "-p", "no:cacheprovider",
+                         str(tmp_path / "test_leak.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
