@@ -19,22 +19,29 @@ def test_gpu_tests_are_skipped_not_an_internal_error_without_xdist():
   assert "5 skipped" in out and "needs a GPU (JAX sees none)" in out, out[-3000:]
 
 
+def _run_with_the_suites_conftest(folder, test_file: str, source: str, env: dict, *args: str):
+  """pytest (with `args`) on `folder`/`test_file` holding `source`, beside the suite's conftest and helpers;
+  `env` on top of os.environ (a None value drops that variable)."""
+  for name in ("conftest.py", "helpers.py"):
+    (folder / name).symlink_to(os.path.join(ROOT, "tests", name))
+  (folder / test_file).write_text(source)
+  full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+  full["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+  return subprocess.run([sys.executable, "-m", "pytest", *args, "-o", "addopts=", "-p", "no:cacheprovider",
+                         str(folder / test_file)], cwd=folder, env=full, capture_output=True, text=True, timeout=300)
+
+
 def test_pytest_workers_on_a_gpu_node_take_a_share_each_not_75_percent(tmp_path):
   """Two pytest-xdist workers with one (faked) GPU visible: each starts JAX unpreallocated with under
   half of the GPU. The suite's conftest, run on a one-test folder."""
-  for name in ("conftest.py", "helpers.py"):
-    (tmp_path / name).symlink_to(os.path.join(ROOT, "tests", name))
-  (tmp_path / "test_env.py").write_text(
+  proc = _run_with_the_suites_conftest(
+      tmp_path, "test_env.py",
       "import os\n"
       "def test_env():\n"
       "  assert os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'\n"
-      "  assert os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'] == '0.47'\n")
-  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT")}
-  env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="0",
-             PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-o", "addopts=", "-p", "no:cacheprovider",
-                         str(tmp_path / "test_env.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                        timeout=300)
+      "  assert os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'] == '0.47'\n",
+      {**dict.fromkeys(k for k in os.environ if k.startswith("XLA_PYTHON_CLIENT")), "JAX_PLATFORMS": "cpu",
+       "CUDA_VISIBLE_DEVICES": "0"}, "-n", "2")
   assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
@@ -43,19 +50,13 @@ def test_a_test_that_sets_environment_variables_leaks_none_to_the_next(tmp_path)
   new, is gone at the next; the subprocesses of later tests inherit os.environ. The suite's conftest, run on a
   two-test file (JAX_NUM_CPU_DEVICES=2 leaked from an imported script once gave another file's subprocess 2
   host devices instead of 4)."""
-  for name in ("conftest.py", "helpers.py"):
-    (tmp_path / name).symlink_to(os.path.join(ROOT, "tests", name))
-  (tmp_path / "test_leak.py").write_text(
+  proc = _run_with_the_suites_conftest(
+      tmp_path, "test_leak.py",
       "import os\n"
       "def test_sets():\n"
       "  os.environ['JAX_NUM_CPU_DEVICES'] = '2'\n"
       "  os.environ['OPDJAX_TEST_KNOB'] = 'changed'\n"
       "def test_sees_none():\n"
-      "  assert 'JAX_NUM_CPU_DEVICES' not in os.environ and os.environ['OPDJAX_TEST_KNOB'] == 'kept'\n")
-  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-  env.update(JAX_PLATFORMS="cpu", OPDJAX_TEST_KNOB="kept",
-             PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-o", "addopts=", "-p", "no:cacheprovider",
-                         str(tmp_path / "test_leak.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                        timeout=300)
+      "  assert 'JAX_NUM_CPU_DEVICES' not in os.environ and os.environ['OPDJAX_TEST_KNOB'] == 'kept'\n",
+      {"JAX_NUM_CPU_DEVICES": None, "JAX_PLATFORMS": "cpu", "OPDJAX_TEST_KNOB": "kept"}, "-p", "no:xdist")
   assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
