@@ -310,10 +310,12 @@ def test_a_bf16_served_teacher_deviates_and_refuses_k_above_its_max_logprobs(tin
   r, (want, _, mask) = fresh_rollout(tiny)
   delta = np.abs(bf16_teacher.score(r)["teacher_logprobs"] - want)[mask]
   assert delta.max() > 1e-3, delta.max()  # bf16's rounding shows
-  # ... on the same model: far below what another model of these shapes scores differently (the rollout is of
-  # a fresh seed, so a fixed bound on the worst position (0.5 nats) failed once: 0.506, mean 0.11)
+  # ... on the same model: a tenth of what another model of these shapes scores differently, 2.6-5.4 nats
+  # on average over 9 rollouts (the rollout is of a fresh seed, so a fixed bound on the worst position,
+  # 0.5 nats, failed once: 0.506, mean 0.11)
   other = np.abs(jax_teacher(tiny[0], random_params(tiny[0], seed=4, std=0.4), r)[0] - want)[mask]
-  assert delta.mean() < 0.25 * other.mean(), (delta.mean(), other.mean())
+  assert delta.mean() < 0.1 * other.mean(), (delta.mean(), other.mean())
+  print(f"bf16 mean deviation {delta.mean():.3f}, another model {other.mean():.2f}")
   url = bf16_teacher.urls[0]
   with pytest.raises(UserError, match=rf"the teacher server at {url} allows 4 log-probs per position"
                                       r" \(--max-logprobs\) but the teacher's top-K is 5") as e:
