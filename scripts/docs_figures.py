@@ -263,6 +263,56 @@ def ttq_speedups(r: dict) -> str:
   return "\n".join(out)
 
 
+def _median(xs) -> float:
+  xs = sorted(xs)
+  return xs[len(xs) // 2]
+
+
+def _step_ms(res: dict, config: str) -> float:
+  """A configuration's step in ms: its median seconds for all steps over the steps."""
+  return 1e3 * res["configs"][config]["wall_s_at_equal_steps"] / res["steps"]
+
+
+def _ttq_step_ms(config: str) -> Callable[[dict], str]:
+  return lambda r: f"{_step_ms(r['result'], config):.1f} ms"
+
+
+def ttq_k1_vs_sync(r: dict) -> str:
+  """Async k=1 against sync, both disaggregated: to the accuracy target, at equal steps, its overlap efficiency."""
+  res = r["result"]
+  return (f"{res['speedup_async_k1_vs_sync_disaggregated']:.2f}x to accuracy {res['targets']['accuracy']}"
+          f" ({res['steps_speedup_async_k1_vs_sync_disaggregated']:.2f}x at equal steps), overlap efficiency"
+          f" {res['overlap_efficiency_async_k1']:.2f} (median)")
+
+
+def ttq_engine_summary(r: dict) -> str:
+  """The teacher-on-the-engine run in words: async k=1 against both synchronous layouts, quality, the engine's CPU."""
+  res, c = r["result"], r["result"]["configs"]
+  acc = lambda k: f"{c[k]['final_accuracy']:.3f}"  # noqa: E731
+  cpu = lambda k: f"{_median(x['engine_process_cpu_per_wall'] for x in res['runs'] if x['config'] == k):.2f}"  # noqa: E731
+  return (f"Async k=1 disaggregated reaches accuracy {res['targets']['accuracy']}"
+          f" {res['speedup_async_k1_vs_sync_disaggregated']:.2f}x sooner than sync disaggregated (median over"
+          f" {res['seeds']} seeds, {res['steps_speedup_async_k1_vs_sync_disaggregated']:.2f}x per step) and"
+          f" {res['speedup_async_k1_vs_sync_colocated']:.2f}x sooner than the synchronous colocated loop that gives"
+          f" each phase both cores; its overlap efficiency is {res['overlap_efficiency_async_k1']:.2f}, and every"
+          " asynchronous configuration's final accuracy is the synchronous one's within the seed tolerance (median"
+          f" {acc('async_k1_disaggregated')} against {acc('sync_disaggregated')}; async k=2,"
+          f" {acc('async_k2_disaggregated')}, is exact mode's two steps of staleness on this short run, as before). The"
+          f" engine's process now works {cpu('async_k1_disaggregated')} CPU s a wall second against"
+          f" {cpu('sync_disaggregated')} synchronously")
+
+
+def ttq_sync_walls(r: dict) -> str:
+  """Sync disaggregated's seconds for all steps (range over seeds), its step, and async k=1's per-step ratio."""
+  res = r["result"]
+  walls = [x["wall_s_at_equal_steps"] for x in res["runs"] if x["config"] == "sync_disaggregated"]
+  return (f"{min(walls):.1f}-{max(walls):.1f} s ({_step_ms(res, 'sync_disaggregated'):.1f} ms),"
+          f" {res['steps_speedup_async_k1_vs_sync_disaggregated']:.2f}x per step")
+
+
+TTQ_VIEWS = {"table": ttq_table, "speedups": ttq_speedups, "k1_vs_sync": ttq_k1_vs_sync}
+
+
 def _h(r: dict) -> dict:
   h = r["result"].get("speedup_async_k1_vs_best_sync")
   if not h or h.get("median") is None:
@@ -750,18 +800,32 @@ FIGURES: dict[str, Figure] = {
     "time_to_quality": Figure(("python scripts/time_to_quality.py --out DIR",), None, {
         "runs": recorded_table("runs"), "speedups": recorded_table("speedups"),
         "bench": recorded_table("runs", ("configuration", "reached acc 0.95", "s for 800 steps",
-                                         "process CPU s / wall s"))}),
+                                         "process CPU s / wall s")),
+        "split": transcribed("split"), "fp8_sync": transcribed("fp8_sync")}),
     "ttq_best": Figure(("python scripts/time_to_quality.py --out {out}",), collect_ttq,
                        {"headline": ttq_headline, "table": ttq_best_table, "speedups": ttq_best_speedups},
                        images=(("docs/figures/time_to_quality_best.png", plot_ttq),)),
     # The runs before the headline against the best synchronous layout (the script's defaults then).
-    "ttq_disaggregated": Figure((TTQ_BEFORE + " --out {out}",), collect_ttq,
-                                {"table": ttq_table, "speedups": ttq_speedups}),
-    "ttq_teacher_engine": Figure((TTQ_BEFORE + " --teacher-scoring engine --out {out}",),
-                                 collect_ttq, {"table": ttq_table, "speedups": ttq_speedups},
-                                 images=(("docs/figures/time_to_quality_disaggregated.png", plot_ttq),)),
-    "ttq_worked": Figure((TTQ_BEFORE + " --config configs/demo_worked.py --out {out}",),
-                         collect_ttq, {"table": ttq_table, "speedups": ttq_speedups}),
+    "ttq_disaggregated": Figure((TTQ_BEFORE + " --out {out}",), collect_ttq, TTQ_VIEWS),
+    "ttq_teacher_engine": Figure((TTQ_BEFORE + " --teacher-scoring engine --out {out}",), collect_ttq, {
+        **TTQ_VIEWS, "summary": ttq_engine_summary, "sync_ms": _ttq_step_ms("sync_disaggregated"),
+        "sync_walls": ttq_sync_walls,
+        "disaggregated_vs_colocated": value("speedup_sync_disaggregated_vs_sync_colocated", "{:.2f}x"),
+        "k1_vs_colocated": value("speedup_async_k1_vs_sync_colocated", "{:.2f}x")},
+        images=(("docs/figures/time_to_quality_disaggregated.png", plot_ttq),)),
+    "ttq_worked": Figure((TTQ_BEFORE + " --config configs/demo_worked.py --out {out}",), collect_ttq, TTQ_VIEWS),
+    # Numbers of docs/async.md's earlier runs, transcribed where they first appeared (their runs kept no result).
+    "ttq_first_run": _recorded("python scripts/time_to_quality.py --out DIR", lines=("cpu", "tolerance", "final")),
+    "smollm2_vllm_colocated": _recorded("opdjax train --config configs/smollm2_opd.py --config.rollout.engine=vllm"
+                                        " --config.train.steps=6 --out DIR [--config.rollout.async_depth=1]",
+                                        lines=("line",)),
+    "core_split": _recorded("PYTHONPATH=. python bench/core_split.py", "table", lines=("speedups",)),
+    "async_idle_box": _recorded("PYTHONPATH=. python bench/core_split.py; opdjax plan --schedule --measure"
+                                " configs/demo_disaggregated.py", lines=("cores", "step", "bound", "split", "tokens")),
+    "teacher_scoring_cpu": _recorded("run_loop(session, steps=300, async_depth=d, timed=True) on configs/demo.py"
+                                     " disaggregated, rollout.teacher_scoring=trainer|engine", "table",
+                                     lines=("flops", "load", "walls", "prediction")),
+    "async_multi": _recorded("pytest -s tests/test_async_multi.py", lines=("hang", "cost")),
     "smollm2_vllm_async": Figure(tuple(
         "opdjax train --config configs/smollm2_opd.py --out {out}/" + kind + " --config.rollout.engine=vllm"
         " --config.rollout.placement=disaggregated --config.rollout.vllm.cpus=1 --config.train.steps=8" + extra
@@ -791,6 +855,8 @@ FIGURES: dict[str, Figure] = {
                                          lines=("setup",)),
     "mismatch_training": Figure(("opdjax train --config configs/demo.py --out DIR --config.train.steps=300"
                                  " --config.rollout.view=VIEW",), None, {"line": mismatch_training}),
+    "mismatch_fp8_rounding": _recorded("the demo models' matrices under FP8 e4m3 and e5m2 weights, by hand",
+                                       lines=("rms",)),
     "bench_cpu_paths": Figure(("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE",
                                "PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE"), None,
                               {"table": recorded_table("table"), "opd_step": transcribed("opd_step"),
@@ -812,6 +878,8 @@ FIGURES: dict[str, Figure] = {
     "kv_qwen3_1p7b_block": _kv("qwen3-1.7b", 72, "27", "--recipe fp8_block --keep-edge-layers 1"),
     "kv_qwen3_8b_72": _kv("qwen3-8b", 72, "0,35"),
     "kv_qwen3_8b_21": _kv("qwen3-8b", 21.6, "0,35"),
+    "kv_vllm_crosscheck": _recorded("pytest -m vllm tests/test_capacity.py -k test_kv_accounting_matches_vllm;"
+                                    " vllm.LLM per setting by hand", "table", lines=("test_time",)),
     "schedule_validation": Figure(("python scripts/validate_schedule.py --engines jax,vllm --out {out}",),
                                   _read_json("schedule_validation.json"), {"table": schedule_validation_table}),
 }
