@@ -530,15 +530,24 @@ def _recorded(command: str, *views: str, lines: tuple[str, ...] = ()) -> Figure:
   return Figure((command,), None, {**{v: recorded_table(v) for v in views}, **{k: transcribed(k) for k in lines}})
 
 
+def _splits(r: dict) -> dict:
+  return {s["rollout_devices"]: s for s in r["result"]["splits"]}
+
+
 def schedule_worked(r: dict) -> str:
   """README's worked example: the 4 / 12 split `opdjax plan --schedule` predicts, against the best and 8 / 8."""
   res = r["result"]
-  split = {s["rollout_devices"]: s for s in res["splits"]}
+  split = _splits(r)
   chosen, best, half = split[4], res["best_async"], split[8]
   return (f"predicts at {chosen['async_k1_s']:.2f} s a step on H100s (predicted, not measured:"
           f" {chosen['sync_disaggregated_s']:.2f} s synchronous on the same split; the best split,"
           f" {best['rollout_devices']} / {best['trainer_devices']}, {best['async_k1_s']:.2f} s, splits no node evenly;"
           f" 8 / 8, a node of sidecars, {half['async_k1_s']:.2f} s)")
+
+
+def schedule_step(r: dict) -> str:
+  """The worked example's predicted async k=1 step (its 4 / 12 split), for another page."""
+  return f"{_splits(r)[4]['async_k1_s']:.2f} s"
 
 
 def reproduction_summary(r: dict) -> str:
@@ -564,6 +573,14 @@ def scaling_tables(r: dict) -> str:
   import plan_table
 
   return plan_table.markdown_of(r["result"]["records"])
+
+
+def scaling_long_seq(r: dict) -> str:
+  """The untabled long-sequence workload: 1.7B -> 0.6B with fsdp over 8 devices, its temporaries and peak."""
+  rec = next(x for x in r["result"]["records"] if x["plan"]["seq_len"] == 4096 and x["plan"]["mesh"] == [1, 8, 1]
+             and (x["plan"]["teacher"], x["plan"]["student"]) == ("qwen3-1.7b", "qwen3-0.6b"))
+  t = rec["train"]
+  return f"{t['temporaries'] / 2**30:.0f} GiB of a {t['peak'] / 2**30:.0f} GiB train peak per device"
 
 
 def recorded(r: dict) -> bool:
@@ -782,13 +799,25 @@ FIGURES: dict[str, Figure] = {
                               {"loss": value("loss_rel", "{:.2g}"), "params": value("params_abs", "{:.2g}"),
                                "processes": value("processes_params_abs", "{:.2g}")}),
     "scaling": Figure(("python scripts/plan_table.py --out {out}/scaling_results.jsonl",),
-                      _jsonl("scaling_results.jsonl"), {"tables": scaling_tables}, env={"PYTHONPATH": "."}),
+                      _jsonl("scaling_results.jsonl"), {"tables": scaling_tables, "long_seq": scaling_long_seq},
+                      env={"PYTHONPATH": "."}),
+    # docs/scaling.md's other figures, transcribed where they were written (their runs' output was not kept)
+    "scaling_activations": _recorded("opdjax plan --teacher qwen3-1.7b --student qwen3-0.6b --layers 2 --devices N"
+                                     " --batch B --seq-len 1024", lines=("constraint",)),
+    "schedule_h100_2x8": _recorded("opdjax plan --schedule --teacher qwen3-8b --student qwen3-1.7b --devices 16"
+                                   " --device h100-sxm --batch 256 --prompt-len 512 --seq-len L [--fp8]", "table",
+                                   lines=("trainer_min",)),
+    "export_memory": _recorded("the shard-wise export against the gather, 2 processes x 2 host devices",
+                               lines=("peak",)),
+    "tied_head": _recorded("pytest tests/test_weight_sync.py", lines=("before", "head_bytes", "after")),
     "objectives_demo": Figure(("opdjax train --config configs/demo.py --out DIR --config.train.steps=400"
                                " --config.loss.kind=full_rkl|sampled_rkl [--config.optim.learning_rate=1e-3]",), None,
                               {k: value(k) for k in ("full_rkl", "sampled_rkl_5e-3", "sampled_rkl_1e-3")}),
+    "sampled_rkl_check": _recorded("sampled_rkl's averaged gradient against full_rkl's on the demo",
+                                   lines=("gradient", "advantage")),
     "scoring_temperature": Figure(("pytest -s tests/test_train.py",), None,
                                   {k: value(k) for k in ("k3_t1", "is_mean_t1", "k3_topk", "is_mean_topk",
-                                                         "k3_matched")}),
+                                                         "k3_matched", "is_mean_matched")}),
     "sensitivity_demo": _recorded("opdjax sensitivity --out DIR", "ranking"),
     "sensitivity_smollm2": _recorded("opdjax sensitivity --config configs/smollm2_sensitivity.py --out DIR",
                                      "ranking", "recipe", "spearman"),
@@ -837,7 +866,7 @@ FIGURES: dict[str, Figure] = {
                                     "summary": reproduction_summary}),
     "plan_schedule": Figure(("opdjax plan --schedule --teacher qwen3-8b --student qwen3-1.7b --devices 16 --batch 240"
                              " --prompt-len 512 --seq-len 1024 --fp8 --device h100-sxm --json {out}/schedule.json",),
-                            _read_json("schedule.json"), {"worked": schedule_worked}),
+                            _read_json("schedule.json"), {"worked": schedule_worked, "step": schedule_step}),
     "reproduction_addition": Figure(("python scripts/reproduce.py --task addition --out {out}",),
                                     _read_json("reproduction.json"),
                                     {"table": reproduction_table, "evidence": reproduction_evidence}),
@@ -866,7 +895,7 @@ FIGURES: dict[str, Figure] = {
                           env={"PYTHONPATH": "."}),
     "sync_probe_calibration": _recorded("pytest tests/test_weight_sync.py tests/test_vllm.py -k probe",
                                         lines=("tolerances", "separation")),
-    "weight_sync_d859b92": _recorded("PYTHONPATH=. python bench/weight_sync.py", lines=("old_probe",)),
+    "weight_sync_d859b92": _recorded("PYTHONPATH=. python bench/weight_sync.py", lines=("old_probe", "cost_per_gb")),
     "sampled_rkl_demo": _recorded("opdjax train --config configs/demo_served_teacher.py --out DIR", "table",
                                   lines=("setup", "diagnosis", "served")),
     "async_export": _recorded("PYTHONPATH=. python bench/export.py", lines=("bench",)),
