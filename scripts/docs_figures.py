@@ -574,6 +574,176 @@ def reproduction_summary(r: dict) -> str:
   return f"{minutes:.0f} minutes ({'complete' if res['complete'] else 'incomplete'}): {outcomes}"
 
 
+# The Summary of docs/reproduction.md: the numbers of its sentences, from the claims' `evidence`.
+def _claim(r: dict, num: str) -> dict:
+  c = r["result"]["claims"].get(num)
+  if not c or "evidence" not in c:
+    raise DocsError(f"the result has no evidence for claim {num}")
+  return c
+
+
+def _sigma(view: str) -> str:
+  return f"{float(view.split('=')[1]):g}"
+
+
+def _e(x: float) -> str:
+  """2 significant digits, the exponent without its leading zero (1.8e-5)."""
+  return re.sub(r"e([-+])0*(\d)", r"e\1\2", f"{x:.2g}")
+
+
+def _and(items: list[str]) -> str:
+  return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _clean_point(r: dict) -> dict:
+  return next(p for p in r["result"]["claims"]["1"]["points"] if p["view"] == "clean")
+
+
+def repro_power(r: dict) -> str:
+  """Claim 1's power step: the pilot's spread, the seeds it called for, and the tolerance at the pilot's
+  seeds against the final one (k·s·sqrt(2/n) at the pilot's std and seeds: the final tolerance scaled)."""
+  c = _claim(r, "1")
+  ev, pw = c["evidence"], c["power"]
+  first, last = pw["rounds"][0], pw["rounds"][-1]
+  pilot = {m: t * first["clean_std"][m] / last["clean_std"][m] * (ev["seeds"] / pw["pilot_seeds"]) ** 0.5
+           for m, t in ev["tolerance"].items()}
+  tol, gain = ev["tolerance"], ev["clean_gain"]
+  below = "below" if tol["accuracy"] <= gain["accuracy"] / 2 else "not below"
+  return (f"The {pw['pilot_seeds']} clean pilot seeds (accuracy std {first['clean_std']['accuracy']:.3f}) called for"
+          f" {first['seeds']} seeds a view; topped up to {last['clean_seeds']}, the clean spread (std"
+          f" {last['clean_std']['accuracy']:.3f}) called for {last['seeds']}, so every view ran {ev['seeds']} (the"
+          f" {ev['runs']['budget']}-run budget buys {ev['runs']['max_seeds']}). The tolerance fell from"
+          f" {pilot['accuracy']:.3f} (the pilot's spread at its {pw['pilot_seeds']} seeds) to {tol['accuracy']:.3f}"
+          f" accuracy (reverse KL {pilot['reverse_kl']:.2f} -> {tol['reverse_kl']:.2f}), {below} half the gain over"
+          f" the starting student ({gain['accuracy']:.3f} accuracy)")
+
+
+def repro_ladder(r: dict) -> str:
+  """Claim 1's views up to the last one the extension added, and the worst accuracy loss."""
+  c = _claim(r, "1")
+  views = c["evidence"]["views"]
+  by, added = {v["view"]: v for v in views}, c["extension"]["added"]
+  top = added[-1] if added else max(views, key=lambda v: v["mismatch"])["view"]
+  others = ", ".join(f"{by[a]['mismatch']:.2f} at {_sigma(a)}" for a in added[:-1])
+  worst = max(views, key=lambda v: v["loss"]["accuracy"][0])
+  loss = worst["loss"]["accuracy"]
+  passed = sum(v["pass"] for v in views)
+  within = "all" if passed == len(views) else f"{passed} of them"
+  return (f"{len(views)} views up to {top}, where the mismatch saturates at {by[top]['mismatch']:.2f} nats/token"
+          + (f" ({others})" if others else "") + f", {within} stayed within tolerance with intervals reaching below it"
+          f" (the worst, {worst['view']} at {worst['mismatch']:.2f} nats/token, lost {loss[0]:.3f} accuracy"
+          f" [{loss[1]:.3f}, {loss[2]:.3f}])")
+
+
+def repro_chance(r: dict) -> str:
+  """Claim 1's accuracy intervals clear of 0, against the count chance gives, and the clean seeds' spread."""
+  c = _claim(r, "1")
+  ev, views = c["evidence"], c["evidence"]["views"]
+  clear = [v for v in views if v["loss"]["accuracy"][1] > 0 or v["loss"]["accuracy"][2] < 0]
+  def one(v: dict) -> str:
+    _, lo, hi = v["loss"]["accuracy"]
+    return (f"{v['view']} at {_e(v['mismatch'])} nats/token, trained *{'better' if hi < 0 else 'worse'}* than clean,"
+            f" accuracy interval [{lo:.3f}, {hi:.3f}] of loss")
+  each = "; ".join(map(one, clear))
+  steps = r["result"]["budgets"].get("calibrate.steps", "-")
+  std = c["power"]["rounds"][-1]["clean_std"]["accuracy"]
+  return (f"{'One view' if len(clear) == 1 else f'{len(clear)} views'}{', ' + each if clear else ''}:"
+          f" {len(clear)} of {len(views)} intervals clear of 0 at 95%, about what chance gives; the clean view's"
+          f" {steps}-step outcomes spread over its {ev['seeds']} seeds with an accuracy std of {std:.3f}")
+
+
+def repro_admission(r: dict) -> str:
+  """Claim 5 against the trivial rules."""
+  c = _claim(r, "5")
+  ev, rows = c["evidence"], c["rows"]
+  n, ok = ev["total"], sum(row["quality_ok"] for row in rows)
+  seeds = _claim(r, "1")["evidence"]["seeds"]
+  return (f"{'All' if ok == n else f'{ok} of'} {n} candidates trained within tolerance (each {seeds} seeds);"
+          f" admission agreed on {ev['agree']} of {n} against accept-all's {ev['accept_all']} of {n} and"
+          f" reject-all's {ev['reject_all']} of {n}")
+
+
+def repro_noise_candidates(r: dict) -> str:
+  """Claim 5's noise candidates: their sigmas, mismatches and intervals against the budget, and the
+  quality a degrading candidate needs (the clean medians past the tolerance)."""
+  c1, c5 = _claim(r, "1"), _claim(r, "5")
+  rows = [row for row in c5["rows"] if row["view"].startswith("noise_sigma=")]
+  budget, tol, clean = c1["evidence"]["budget"], c1["evidence"]["tolerance"], _clean_point(r)
+  verdicts = {row["verdict"] for row in rows}
+  fate = "so rejected" if verdicts == {"reject"} else "verdicts " + ", ".join(row["verdict"] for row in rows)
+  ok = "within tolerance of clean" if all(row["quality_ok"] for row in rows) else "not all within tolerance of clean"
+  mm, hi = [row["mismatch"] for row in rows], [row["ci_high"] for row in rows]
+  return (f"({', '.join(_sigma(row['view']) for row in rows)}), all at the saturated mismatch"
+          f" ({min(mm):.2f}-{max(mm):.2f}; the upper ends of their intervals, {min(hi):.2f}-{max(hi):.2f}, lie above"
+          f" the {budget:.3f} budget, {fate}), and trained {ok} (clean accuracy {clean['accuracy_median']:.3f};"
+          f" degrading needs below {clean['accuracy_median'] - tol['accuracy']:.3f} or reverse KL above"
+          f" {clean['reverse_kl_median'] + tol['reverse_kl']:.2f})")
+
+
+def repro_tolerance_share(r: dict) -> str:
+  ev = _claim(r, "1")["evidence"]
+  return f"{ev['tolerance']['accuracy'] / ev['clean_gain']['accuracy']:.0%}"
+
+
+def repro_prefix_floor(r: dict) -> str:
+  """Claim 4: the noise floor and the largest prefix-shift part, with their intervals."""
+  ev = _claim(r, "4")["evidence"]
+  floor, views = ev["floor"], ev["views"]
+  top = max(views, key=lambda v: v["prefix_shift"][0])
+  below = all(v["prefix_shift"][0] < floor[0] for v in views)
+  where = "lies below its mean" if below else "does not all lie below its mean"
+  return (f"{floor[0]:.3g} {_ci(floor)} over {ev['replicates']} replicates and every view's prefix-shift part {where}"
+          f" (the largest, {top['view']}, {top['prefix_shift'][0]:.3g} {_ci(top['prefix_shift'])})")
+
+
+def repro_tis_removes(r: dict) -> str:
+  ev = _claim(r, "4")["evidence"]
+  names = [v["view"] for v in ev["views"] if v["tis_removed"][1] is not None and v["tis_removed"][1] > 0]
+  return f"TIS does remove error, intervals above 0, in {_and(names) if names else 'no view'}"
+
+
+def repro_recipe(r: dict) -> str:
+  layers = _claim(r, "2")["evidence"]["recipe_layers"]
+  return f"{len(layers)}-layer recipe (layer{'s' * (len(layers) > 1)} {_and([str(x) for x in layers])})"
+
+
+def repro_heldout(r: dict) -> str:
+  """Claim 2 out of sample: where the recipe was chosen and the held-out KLs it was judged on."""
+  ev = _claim(r, "2")["evidence"]
+  ins, held = ev["in_sample"], ev["heldout"]
+  return (f"The ranking and recipe (bf16 layers {_and([str(x) for x in ev['recipe_layers']])}) were chosen on"
+          f" {ins['num_prompts']} prompts; on {held['num_prompts']} other prompts ({held['num_tokens']} tokens) the"
+          f" recipe's exact KL is {held['recipe_kl']:.3f} against {held['edge_kl']:.3f} for the same-memory edge layers"
+          f" ({_and([str(x) for x in ev['edge_layers']])}) and {held['random_kl']:.3f} for random layers")
+
+
+def repro_margin(r: dict) -> str:
+  held = _claim(r, "2")["evidence"]["heldout"]
+  return f"{held['edge_kl'] / held['recipe_kl']:.1f}x"
+
+
+def repro_cost(r: dict) -> str:
+  """The run's stage wall times (with the runs calibration and admission trained) and its load."""
+  res = r["result"]
+  st, la = res["stages"], res["load_average"]
+  c1, c5 = res["claims"].get("1"), res["claims"].get("5")
+  runs = {"calibrate": c1["extension"]["runs"] if c1 else None,
+          "admission": len(c5["rows"]) * c1["evidence"]["seeds"] if c1 and c5 else None}
+  names = {"sensitivity": "sensitivity", "prefix_shift": "prefix shift", "calibrate": "calibration",
+           "admission": "admission"}
+  parts = [f"{names.get(k, k)} {v['wall_s']:.0f} s" + (f" for {runs[k]} runs" if runs.get(k) else "")
+           for k, v in st.items()]
+  total = sum(v["wall_s"] for v in st.values()) / 60
+  return (f"{total:.1f} min ({', '.join(parts)}) at load average {la['start']} at start and {la['end']} at the end")
+
+
+def repro_resumed_cost(r: dict) -> str:
+  """An incomplete run resumed: the stage it kept, with the load the resume recorded."""
+  res = r["result"]
+  (name, st), la = next(iter(res["stages"].items())), res["load_average"]
+  return (f"the {name.replace('_', ' ')} stage {st['wall_s']} s (its load: below; the result file's"
+          f" {la['start']}-{la['end']} is the resume's, which kept that stage)")
+
 def _jsonl(name: str) -> Callable[[str], dict]:
   return lambda run: {"records": [json.loads(line) for line in open(os.path.join(run, name)) if line.strip()]}
 
@@ -873,13 +1043,28 @@ FIGURES: dict[str, Figure] = {
     "reproduction_smollm2": Figure(("python scripts/reproduce.py --task smollm2 --out {out}",),
                                    _read_json("reproduction.json"),
                                    {"table": reproduction_table, "evidence": reproduction_evidence,
-                                    "summary": reproduction_summary}),
+                                    "summary": reproduction_summary, "heldout": repro_heldout, "margin": repro_margin,
+                                    "cost": repro_resumed_cost}),
     "plan_schedule": Figure(("opdjax plan --schedule --teacher qwen3-8b --student qwen3-1.7b --devices 16 --batch 240"
                              " --prompt-len 512 --seq-len 1024 --fp8 --device h100-sxm --json {out}/schedule.json",),
                             _read_json("schedule.json"), {"worked": schedule_worked, "step": schedule_step}),
     "reproduction_addition": Figure(("python scripts/reproduce.py --task addition --out {out}",),
                                     _read_json("reproduction.json"),
-                                    {"table": reproduction_table, "evidence": reproduction_evidence}),
+                                    {"table": reproduction_table, "evidence": reproduction_evidence,
+                                     "power": repro_power, "ladder": repro_ladder, "chance": repro_chance,
+                                     "admission": repro_admission, "noise_candidates": repro_noise_candidates,
+                                     "tolerance_share": repro_tolerance_share, "prefix_floor": repro_prefix_floor,
+                                     "tis_removes": repro_tis_removes, "recipe": repro_recipe, "cost": repro_cost}),
+    # docs/reproduction.md's older runs and notes, typed by hand when they were run (no result file then).
+    "reproduction_first_attempt": _recorded("python scripts/reproduce.py --task smollm2|addition [--quick] --out DIR",
+                                            "table", "detail", lines=("stages", "findings", "eval_cost")),
+    "smollm2_learn_check": _recorded("opdjax train --config configs/smollm2_study.py --out DIR --config.seed=S",
+                                     "table", lines=("setup",)),
+    "reproduction_cost_notes": _recorded("pytest tests/test_reproduce.py; python scripts/reproduce.py --task smollm2",
+                                         lines=("quick_test", "smollm2_estimate")),
+    "reproduction_addition_unpowered": _recorded("python scripts/reproduce.py --task addition --out DIR",
+                                                 lines=("cost",)),
+    "reproduction_smollm2_oom": _recorded("python scripts/reproduce.py --task smollm2 --out DIR", lines=("oom",)),
     "bench_opd_step": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE", "table",
                                 lines=("headline", "record")),
     "bench_rollout": _recorded("PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE", "table",
@@ -891,7 +1076,7 @@ FIGURES: dict[str, Figure] = {
                                {"table": recorded_table("table"), "record": transcribed("record"),
                                 "ratios": decode_fill_ratios}),
     "prefix_shift_first_wave": _recorded("opdjax prefix-shift --out DIR --config.prefix_shift.seed=S", "table",
-                                         lines=("setup",)),
+                                         lines=("setup", "shared", "divergence", "interpretation", "rounding")),
     "mismatch_training": Figure(("opdjax train --config configs/demo.py --out DIR --config.train.steps=300"
                                  " --config.rollout.view=VIEW",), None, {"line": mismatch_training}),
     "mismatch_fp8_rounding": _recorded("the demo models' matrices under FP8 e4m3 and e5m2 weights, by hand",

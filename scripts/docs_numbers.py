@@ -193,6 +193,46 @@ PROSE: dict[str, dict[str, str]] = {
         "fp32 logits are 4.6 GiB at 8 x 1024 tokens": "arithmetic: 151,936 x 8 x 1024 x 4 bytes",
         "fp32 array at V = 32768": "tests/test_train.py's vocabulary",
     },
+    "docs/reproduction.md": {
+        # the paper's claim numbers
+        "claims 1, 2, 4 and 5": "the paper's claim numbers", "claims 1, 4 and 5": "the paper's claim numbers",
+        "claim 1": "a claim number", "claim 2": "a claim number", "claim 4": "a claim number",
+        "claim 5": "a claim number", "sensitivity (2)": "a claim number", "prefix shift (4)": "a claim number",
+        "calibrate (1)": "a claim number", "admission (5)": "a claim number",
+        # scripts/reproduce.py's design (REPLICATES, RUN_BUDGET, EXTRA_VIEWS, BUDGETS) and its rules
+        "(2 with": "REPLICATES with --quick", "repeated with 3 seeds": "REPLICATES",
+        "95% t-interval": "the rule's interval", "raw - TIS above 0)": "the rule's threshold",
+        "\"0 before the first divergence\"": "the sanity check's value", "raw - TIS interval at or below 0)":
+            "the rule's threshold", "120 runs for addition, 16 for SmolLM2, 10 and 8 with": "RUN_BUDGET",
+        "views more: 2, 1 with": "EXTRA_VIEWS", "7 candidates": "opdjax/analyses/study_design.candidates",
+        "0.7x, 1.4x and 3x the top noise": "study_design.candidates' placement with no failing view",
+        "the pilot's 2 seeds a view": "configs/smollm2_study.py's calibrate.seeds",
+        "16 runs over 6 + 2 views": "RUN_BUDGET, the config's 6 calibration views, EXTRA_VIEWS",
+        "(10 runs: 2 seeds a view)": "RUN_BUDGET and calibrate.seeds with --quick",
+        "at 2 training steps": "calibrate.steps with --quick", "the pilot's 2 seeds": "calibrate.seeds",
+        "costs ~25 min": "scripts/reproduce.py's sizing of RUN_BUDGET (its comment)",
+        "(8 views and 7 candidates)": "the calibration's 6 + 2 views; the candidates",
+        "2 cores, shared": "the box's core count", "at nice 0-10": "the processes' nice levels",
+        "at nice 19": "the processes' nice level",
+        # the SmolLM2 workload: configs/smollm2_study.py, opdjax/data/chat_instructions.jsonl
+        "(30 layers)": "SmolLM2-135M's depth", "layers 10-19 dropped (20 layers,": "configs/smollm2_study.py",
+        "640 instructions": "opdjax/data/chat_instructions.jsonl", "28 templates": "make_chat_instructions.py",
+        "The last 128 are held out": "the config's task.num_eval",
+        "36-50 tokens": "the prompts' lengths with the chat template",
+        "up to 32 new tokens": "the config's max_new_tokens",
+        "batch 4 prompts, 10 steps, AdamW peak lr 1.5e-5 (2 warm-up steps": "configs/smollm2_study.py",
+        "the first 32 held-out prompts": "the sweep prompt set", "same 512 training prompts and those 32":
+            "the sweep prompt set", "one evaluation of 128 prompts": "the config's task.num_eval",
+        ">= 25% criterion": "the issue's learn criterion", "lr 3e-5 and 1e-4": "the probes' learning rates",
+        "8 held-out prompts x 32 sampled tokens (256 tokens)": "sensitivity.num_prompts, max_new_tokens",
+    },
+    "docs/prefix_shift.md": {  # the views' settings, the task's answer length, the tests' assertions
+        "σ ≤ 0.03": "the views' noise settings (prefix_shift.views)", "(~1/√n)": "a standard error's scaling",
+        "(≤ 4 tokens)": "the addition task's longest answer, EOS included",
+        "to 1e-4.": "tests/test_prefix_shift.py's rtol",
+        "terms are exactly 0 there": "tests/test_prefix_shift.py asserts == 0.0 for clean vs clean, same seed",
+        "is 0 up to float rounding": "tests/test_prefix_shift.py bounds it (< 1e-6 relative)",
+    },
     "docs/scaling.md": {  # configs, the tests' layouts, the planner's workloads and device table, arithmetic
         "4 fixed random ids and the 8 tokens": "the reload probe's prompt (opdjax/rollout/vllm)",
         "probe's resolution (1e-4)": "PROBE_RESOLUTION, a constant of the reload probe",
