@@ -163,7 +163,8 @@ MARK = re.compile(r"<!-- (/?)docs\.py:([\w.-]+) -->")
 CODE_FENCES = ("bash", "sh", "python", "console")  # a block of commands or code: what a user types
 WORD = re.compile(r"[\w.\-+/#=%~^]+")
 NUMERIC = re.compile(r"[-+~]?\d[\d.]*(?:e[-+]?\d+)?[x%]?")  # 12, 1.30x, 2.2e-05, 17%
-DATE = re.compile(r"\d{4}-\d\d(?:-\d\d)?|\d\d?:\d\d(?::\d\d)?")
+CLOCK = r"\d\d?:\d\d(?::\d\d)?"  # 20:17, 16:04:05
+DATE = re.compile(rf"\d{{4}}-\d\d(?:-\d\d)?|{CLOCK}")
 
 
 def _outside_markers(text: str) -> str:
@@ -184,6 +185,7 @@ def _outside_markers(text: str) -> str:
 
 def _prose(line: str) -> str:
   line = re.sub(r"<!--.*?-->", " ", line)
+  line = re.sub(rf"(?<![\w:.])(?:{CLOCK})(?![\w:])", " ", line)  # a clock time: WORD splits it at the colon
   line = re.sub(r"\]\([^)]*\)", "]", line)
   line = re.sub(r"https?://\S+", " ", line)
   line = re.sub(r"^\s*(?:#+|\d+\.|[-*+])\s+", "", line)  # a heading's or list item's marker
