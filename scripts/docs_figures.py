@@ -544,6 +544,17 @@ def _splits(r: dict) -> dict:
   return {s["rollout_devices"]: s for s in r["result"]["splits"]}
 
 
+def admission_agreement(r: dict) -> str:
+  """How many of the admission verdicts the trained quality bore out, beside the trivial rules (accept every
+  candidate, reject every one) on the same candidates."""
+  t = r["result"]["table"]
+  col, n = t["columns"].index, len(t["rows"])
+  right = sum(row[col("verdict right")].startswith("yes") for row in t["rows"])
+  fine = sum(row[col("quality within tolerance")] == "yes" for row in t["rows"])
+  return (f"{right} of {n} verdicts agree with the trained quality; accepting every candidate would agree on {fine},"
+          f" rejecting every one on {n - fine}")
+
+
 def schedule_worked(r: dict) -> str:
   """README's worked example: the 4 / 12 split `opdjax plan --schedule` predicts, against the best and 8 / 8."""
   res = r["result"]
@@ -998,14 +1009,18 @@ FIGURES: dict[str, Figure] = {
     "scoring_temperature": Figure(("pytest -s tests/test_train.py",), None,
                                   {k: value(k) for k in ("k3_t1", "is_mean_t1", "k3_topk", "is_mean_topk",
                                                          "k3_matched", "is_mean_matched")}),
-    "sensitivity_demo": _recorded("opdjax sensitivity --out DIR", "ranking"),
+    "sensitivity_demo": _recorded("opdjax sensitivity --out DIR", "ranking", lines=("run", "recipe")),
     "sensitivity_smollm2": _recorded("opdjax sensitivity --config configs/smollm2_sensitivity.py --out DIR",
-                                     "ranking", "recipe", "spearman"),
-    "admission_calibrate": _recorded("opdjax calibrate --out DIR", "table"),
+                                     "ranking", "recipe", "spearman", lines=("run", "reading", "recipe_line", "curve")),
+    "sensitivity_tests": _recorded("pytest tests/test_sensitivity.py", lines=("time",)),
+    "admission_calibrate": _recorded("opdjax calibrate --out DIR", "table", lines=("fit", "reading")),
     "admission_admit": _recorded("opdjax admit --budget DIR/budget.json --candidates candidates.txt --out DIR2",
                                  "table"),
-    "admission_validate": _recorded("python scripts/validate_admission.py --out DIR", "table"),
-    "opd_grpo": _recorded("python scripts/compare_opd_grpo.py --out DIR", "table", "tis"),
+    "admission_validate": Figure(("python scripts/validate_admission.py --out DIR",), None,
+                                 {"table": recorded_table("table"), "timing": transcribed("timing"),
+                                  "agreement": admission_agreement}),
+    "opd_grpo": _recorded("python scripts/compare_opd_grpo.py --out DIR", "table", "tis", lines=("setup", "reading")),
+    "opd_grpo_wall": _recorded("python scripts/compare_opd_grpo.py --out DIR", lines=("wall",)),
     "time_to_quality": Figure(("python scripts/time_to_quality.py --out DIR",), None, {
         "runs": recorded_table("runs"), "speedups": recorded_table("speedups"),
         "bench": recorded_table("runs", ("configuration", "reached acc 0.95", "s for 800 steps",
@@ -1071,10 +1086,21 @@ FIGURES: dict[str, Figure] = {
                                lines=("headline", "record")),
     "bench_rollout_vllm": _recorded("PYTHONPATH=. python bench/rollout_vllm.py --out FILE", "table",
                                     lines=("headline", "record")),
-    "bench_compile": _recorded("PYTHONPATH=. python bench/compile.py", "table", lines=("headline", "before", "after")),
+    "bench_compile": Figure(("PYTHONPATH=. python bench/compile.py",), None,
+                            {"table": recorded_table("table"), "load": lambda r: r["load"],
+                             **{k: transcribed(k) for k in ("headline", "before", "after")}}),
     "bench_decode_fill": Figure(("PYTHONPATH=. python bench/decode_fill.py",), None,
                                {"table": recorded_table("table"), "record": transcribed("record"),
-                                "ratios": decode_fill_ratios}),
+                                "ratios": decode_fill_ratios, "first_version": transcribed("first_version"),
+                                "load": lambda r: r["load"]}),
+    # BENCHMARKS.md's prose figures of runs whose tables are gone or elsewhere, as written at each commit.
+    "bench_bb5a1e4": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE",
+                               lines=("ranges", "temp_buffer", "opd_step", "gpu_flops")),
+    "bench_cpu_reruns": _recorded("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE",
+                                  lines=("reruns",)),
+    "smollm2_vllm_sidecar_2907d08": _recorded("opdjax train --config configs/smollm2_opd.py --out DIR"
+                                              " --config.rollout.engine=vllm --config.train.steps=6", lines=("bench",)),
+    "gpu_suite_dry_run": _recorded("bash bench/gpu_suite.sh --dry-run", lines=("dry_run", "flops")),
     "prefix_shift_first_wave": _recorded("opdjax prefix-shift --out DIR --config.prefix_shift.seed=S", "table",
                                          lines=("setup", "shared", "divergence", "interpretation", "rounding")),
     "mismatch_training": Figure(("opdjax train --config configs/demo.py --out DIR --config.train.steps=300"
@@ -1084,7 +1110,7 @@ FIGURES: dict[str, Figure] = {
     "bench_cpu_paths": Figure(("PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1 --out FILE",
                                "PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1 --out FILE"), None,
                               {"table": recorded_table("table"), "opd_step": transcribed("opd_step"),
-                               "rollout": transcribed("rollout")}),
+                               "rollout": transcribed("rollout"), "check": transcribed("check")}),
     "weight_sync": Figure(("python bench/weight_sync.py --out {out}/weight_sync.json",), _read_json("weight_sync.json"),
                           {"table": weight_sync_table, "headline": weight_sync_headline, "line": weight_sync_line},
                           env={"PYTHONPATH": "."}),

@@ -138,6 +138,7 @@ def test_the_forms_of_a_constant_are_not_numbers_and_a_measurement_is():
   dn = docs.docs_numbers
   numbers = lambda text: dn.numbers(dn._outside_markers(text))  # noqa: E731
   assert numbers("qwen3-1.7b and SmolLM2-135M in fp32, k=1, on 2026-12-01 (#33), `--steps 800`, v2.4.6") == []
+  assert numbers("- Date: 2026-11-29 20:17 UTC, 16:04-16:10, 18:05:59; node0:8476 at 1.5:1") == ["8476", "1.5", "1"]
   assert numbers("1.5-1.6x faster, 3/3 seeds, 1,261 tokens/s, 17% more, 2.2e-05 apart.") == \
       ["1.5", "1.6x", "3", "3", "1261", "17%", "2.2e-05"]
 
