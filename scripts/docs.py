@@ -23,7 +23,7 @@ re-measured" beside it, and `--refresh` re-measures it.
 A PNG in docs/figures is drawn from its result file (a Figure's `images`) by --refresh and --render, carries
 the digest of the data it was drawn from, and --check compares it with a re-drawing; the ones no result file
 can draw are listed, with why, in docs_figures.NOT_REBUILDABLE. A number in the docs outside the markers
-fails --check unless scripts/docs_numbers.py calls it a constant or docs/unsourced.txt still lists its line.
+fails --check unless scripts/docs_numbers.py calls it a constant.
 """
 
 from __future__ import annotations
@@ -401,9 +401,7 @@ def main(argv: list[str] | None = None) -> int:
           " scripts/docs.py --render` rewrites it from the file, `--refresh NAME` re-measures) or a number outside"
           " the markers", file=sys.stderr)
     return 1
-  print("docs.py: every rendered figure and PNG equals its result file; no number outside markers but PROSE and"
-        f" the {len(docs_numbers.read_ledger(os.path.join(args.root, docs_numbers.LEDGER)))} lines of"
-        f" {docs_numbers.LEDGER}")
+  print("docs.py: every rendered figure and PNG equals its result file; no number outside markers but PROSE")
   return 0
 
 

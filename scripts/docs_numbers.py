@@ -11,15 +11,14 @@ rendered from the result file its command wrote. What is not a measurement is to
 - by PROSE below: phrases a page may use with a constant in them (a version in words, a config default,
   a test's tolerance), each with its reason;
 - SECTIONS: a section some other change is moving into markers (named, temporary);
-- the ledger (docs/unsourced.txt): the lines that held numbers outside markers when this check was
-  written, each by file, a digest of the line and its numbers. A debt to pay down, never to grow: a new or
-  edited line with a number outside markers is not in it and fails; an entry whose line is gone fails too, so
-  the list only shrinks (delete the entry once its numbers are rendered).
+
+Nothing else: the ledger of lines that held numbers outside markers when this check was written
+(docs/unsourced.txt, issue 33) is paid off and gone; every such number now renders from a result file, is a
+PROSE constant, or was reworded to point at the table that holds it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 
@@ -359,8 +358,6 @@ PROSE: dict[str, dict[str, str]] = {
 # (page, heading): sections whose numbers another change is moving into markers; temporary. None now.
 SECTIONS: dict[str, tuple[str, ...]] = {}
 
-LEDGER = os.path.join("docs", "unsourced.txt")  # relative to the repository
-
 MARK = re.compile(r"<!-- (/?)docs\.py:([\w.-]+) -->")
 CODE_FENCES = ("bash", "sh", "python", "console")  # a block of commands or code: what a user types
 WORD = re.compile(r"[\w.\-+/#=%~^]+")
@@ -407,10 +404,6 @@ def numbers(line: str) -> list[str]:
   return found
 
 
-def digest(line: str) -> str:
-  return hashlib.sha1(" ".join(line.split()).encode()).hexdigest()[:10]
-
-
 def unmarked(text: str, path: str) -> list[tuple[int, str, list[str]]]:
   """(line number, line, numbers) for every line of a page with numbers outside markers and PROSE."""
   allowed = sorted({**PROSE["*"], **PROSE.get(path, {})}, key=len, reverse=True)
@@ -438,29 +431,11 @@ def unmarked(text: str, path: str) -> list[tuple[int, str, list[str]]]:
   return out
 
 
-def read_ledger(path: str) -> set[tuple[str, str]]:
-  if not os.path.isfile(path):
-    return set()
-  return {tuple(line.split()[:2]) for line in open(path) if line.strip() and not line.startswith("#")}
-
-
-def ledger_line(path: str, line: str, nums: list[str]) -> str:
-  return f"{path} {digest(line)} {' '.join(nums)}"
-
-
 def check(root: str, pages: list[str]) -> list[str]:
-  """An error for each number outside markers not in the ledger, and for each ledger entry whose line is gone."""
-  known, seen, errors = read_ledger(os.path.join(root, LEDGER)), set(), []
+  """An error for each line of `pages` with a number outside markers that PROSE does not name."""
+  errors = []
   for page in pages:
-    for n, line, nums in unmarked(open(os.path.join(root, page)).read(), page):
-      key = (page, digest(line))
-      if key in known:
-        seen.add(key)
-        continue
+    for n, _line, nums in unmarked(open(os.path.join(root, page)).read(), page):
       errors.append(f"{page}:{n}: {', '.join(nums)} outside a docs.py marker: a measurement is rendered from its"
                     " result file (<!-- docs.py:NAME.VIEW -->); a constant goes to PROSE in scripts/docs_numbers.py")
-  for page, d in sorted(known - seen):
-    if page in pages:
-      errors.append(f"{LEDGER}: the entry {page} {d} matches no line any more (its numbers"
-                    " were moved into markers or the line changed): delete the entry")
   return errors
