@@ -7,7 +7,8 @@ rendered from the result file its command wrote. What is not a measurement is to
   values: what a user types; but not a pasted JSON record, `{"bench": ...}`, which is output), a link target
   or an HTML comment;
 - by its form: part of a name (`qwen3-1.7b`, `135M`, `fp32`, `k=1`, `2-core`), a date or clock time, a version
-  (`2.4.6`), an issue or PR number (`#33`), a heading's or list item's numeral;
+  (`2.4.6`), an issue or PR number (`#33`), a heading's or list item's numeral (an item as Markdown reads one:
+  after a blank line, another item or an indented line, or numbered 1; a wrapped line that starts with `11.` is prose);
 - by PROSE below: phrases a page may use with a constant in them (a version in words, a config default,
   a test's tolerance), each with its reason;
 - SECTIONS: a section some other change is moving into markers (named, temporary);
@@ -404,12 +405,17 @@ def numbers(line: str) -> list[str]:
   return found
 
 
+ORDERED_ITEM = re.compile(r"\s*(\d+)\.\s")
+LIST_ITEM = re.compile(r"\s*(?:\d+\.|[-*+])\s")
+
+
 def unmarked(text: str, path: str) -> list[tuple[int, str, list[str]]]:
   """(line number, line, numbers) for every line of a page with numbers outside markers and PROSE."""
   allowed = sorted({**PROSE["*"], **PROSE.get(path, {})}, key=len, reverse=True)
   skip_sections = SECTIONS.get(path, ())
-  out, fence, section = [], None, False
+  out, fence, section, prev = [], None, False, ""
   for i, line in enumerate(_outside_markers(text).split("\n"), 1):
+    line_before, prev = prev, line
     stripped = line.strip()
     if stripped.startswith("```"):
       fence = None if fence is not None else stripped[3:].strip()
@@ -423,6 +429,10 @@ def unmarked(text: str, path: str) -> list[tuple[int, str, list[str]]]:
     if section or (fence is not None and fence in CODE_FENCES):
       continue
     prose = line
+    item = ORDERED_ITEM.match(line)
+    if item and not (item.group(1) == "1" or not line_before.strip() or line_before[:1].isspace()
+                     or LIST_ITEM.match(line_before)):
+      prose = "| " + line  # a wrapped line that starts with "11.": a paragraph's number, not a list's numeral
     for phrase in allowed:
       prose = prose.replace(phrase, " ")
     nums = numbers(prose)

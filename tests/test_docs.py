@@ -248,3 +248,13 @@ def test_a_prose_phrase_lets_through_only_its_own_numbers(monkeypatch):
   text = "Runs 1200 OPD steps in 41 s.\nRuns 1200 OPD steps.\n"
   assert dn.unmarked(text, "page.md") == [(1, "Runs 1200 OPD steps in 41 s.", ["41"])]
   assert [n for _, _, n in dn.unmarked(text, "other.md")] == [["1200", "41"], ["1200"]]
+
+
+def test_a_list_numeral_is_not_a_number_but_a_wrapped_line_starting_with_one_is():
+  """Markdown starts a numbered item after a blank line, another item or an indented line (or at 1. anywhere);
+  a paragraph's wrapped line that happens to start with "11." is prose, and its number is checked."""
+  dn = docs.docs_numbers
+  items = "Steps:\n\n1. build\n2. train\n   on the box\n3. evaluate\n"
+  assert dn.unmarked(items, "page.md") == []
+  wrapped = "The recipe keeps layers 2 and\n11. of the model in bf16.\n"
+  assert [(n, nums) for n, _, nums in dn.unmarked(wrapped, "page.md")] == [(1, ["2"]), (2, ["11"])]
