@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,6 +33,7 @@ def _run_with_the_suites_conftest(folder, test_file: str, source: str, env: dict
                          str(folder / test_file)], cwd=folder, env=full, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a pytest run in a subprocess: 12 s in the fast tier on 2 cores
 def test_pytest_workers_on_a_gpu_node_take_a_share_each_not_75_percent(tmp_path):
   """Two pytest-xdist workers with one (faked) GPU visible: each starts JAX unpreallocated with under
   half of the GPU. The suite's conftest, run on a one-test folder."""

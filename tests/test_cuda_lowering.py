@@ -68,6 +68,7 @@ def test_train_step_at_the_config_shapes_lowers_to_cudnn_without_a_bias(cuda, pa
   assert cuda() == []  # no fallback notice
 
 
+@pytest.mark.slow  # 24 s in the fast tier on 2 cores (lowers and runs the attention both ways)
 def test_left_aligned_rows_attend_as_the_key_mask_did(monkeypatch):
   """The decoder's left-aligned, mask-free attention (what cuDNN runs) against the masked attention
   (XLA's, the CPU default), on rows padded on the left, on both sides and not at all: the same logits
@@ -141,6 +142,7 @@ def test_a_cudnn_graph_that_fails_to_compile_falls_back_to_xla(cuda, monkeypatch
   assert len(notes) == 1 and "graph build failed" in notes[0] and "XLA" in notes[0], cuda()
 
 
+@pytest.mark.slow  # 13 s a case in the fast tier on 2 cores
 @pytest.mark.parametrize("masked", [True, False])
 def test_the_even_padding_changes_neither_the_output_nor_its_gradient(masked):
   """What cuDNN gets at odd lengths (one key and one query more), run through XLA here: the sliced

@@ -34,6 +34,7 @@ def test_check_passes_on_the_repository(capsys):
   assert any(b.name == "demo.line" and b.path == "README.md" for b in blocks)
 
 
+@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
 def test_a_hand_edited_number_fails_naming_file_line_and_both_values(tmp_path, capsys):
   root = _copy(tmp_path)
   n, text = _demo_line(root)
