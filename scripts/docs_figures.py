@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import median_high
 
 from opdjax.analyses import prefix_shift_report, reporting
 
@@ -263,11 +264,6 @@ def ttq_speedups(r: dict) -> str:
   return "\n".join(out)
 
 
-def _median(xs) -> float:
-  xs = sorted(xs)
-  return xs[len(xs) // 2]
-
-
 def _step_ms(res: dict, config: str) -> float:
   """A configuration's step in ms: its median seconds for all steps over the steps."""
   return 1e3 * res["configs"][config]["wall_s_at_equal_steps"] / res["steps"]
@@ -289,7 +285,7 @@ def ttq_engine_summary(r: dict) -> str:
   """The teacher-on-the-engine run in words: async k=1 against both synchronous layouts, quality, the engine's CPU."""
   res, c = r["result"], r["result"]["configs"]
   acc = lambda k: f"{c[k]['final_accuracy']:.3f}"  # noqa: E731
-  cpu = lambda k: f"{_median(x['engine_process_cpu_per_wall'] for x in res['runs'] if x['config'] == k):.2f}"  # noqa: E731
+  cpu = lambda k: f"{median_high(x['engine_process_cpu_per_wall'] for x in res['runs'] if x['config'] == k):.2f}"  # noqa: E731
   return (f"Async k=1 disaggregated reaches accuracy {res['targets']['accuracy']}"
           f" {res['speedup_async_k1_vs_sync_disaggregated']:.2f}x sooner than sync disaggregated (median over"
           f" {res['seeds']} seeds, {res['steps_speedup_async_k1_vs_sync_disaggregated']:.2f}x per step) and"
