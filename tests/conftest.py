@@ -310,6 +310,38 @@ def pytest_runtest_teardown(item, nextitem):
     _close_session_engine()
 
 
+PROFILE_ENV = "OPDJAX_TEST_PROFILE"  # a folder: each worker appends a line per test to WORKER.jsonl there
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """With OPDJAX_TEST_PROFILE=DIR, a line per test (setup, call and teardown together) in DIR/WORKER.jsonl:
+  its wall seconds, this process's CPU seconds and its reaped children's (subprocesses, vLLM servers that
+  exited; a process killed and reparented is not counted) and the 1-minute load at its start. The box runs
+  the suite CPU-bound, so CPU, not wall time, says what a test costs the suite."""
+  folder = os.environ.get(PROFILE_ENV)
+  if not folder:
+    yield
+    return
+  import json
+  import resource
+  import time
+
+  def cpu(who):
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+  t0, load = time.monotonic(), os.getloadavg()[0]
+  self0, kids0 = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+  yield
+  line = {"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2),
+          "self_cpu_s": round(cpu(resource.RUSAGE_SELF) - self0, 2),
+          "children_cpu_s": round(cpu(resource.RUSAGE_CHILDREN) - kids0, 2), "load_1min": round(load, 2)}
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, os.environ.get("PYTEST_XDIST_WORKER", "main") + ".jsonl"), "a") as f:
+    f.write(json.dumps(line) + "\n")
+
+
 def pytest_runtest_setup(item):
   """Before any fixture of the test is set up: no vLLM server starts only to find vllm missing."""
   if item.get_closest_marker("requires_vllm"):

@@ -1,5 +1,6 @@
 """The suite's own hooks: pytest without pytest-xdist (the GPU image has none) still runs."""
 
+import json
 import os
 import subprocess
 import sys
@@ -63,3 +64,24 @@ def test_a_test_that_sets_environment_variables_leaks_none_to_the_next(tmp_path)
       "  assert 'JAX_NUM_CPU_DEVICES' not in os.environ and os.environ['OPDJAX_TEST_KNOB'] == 'kept'\n",
       {"JAX_NUM_CPU_DEVICES": None, "JAX_PLATFORMS": "cpu", "OPDJAX_TEST_KNOB": "kept"}, "-p", "no:xdist")
   assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.slow  # a pytest run in a subprocess
+def test_a_profiled_run_writes_each_tests_wall_and_cpu(tmp_path):
+  """OPDJAX_TEST_PROFILE=DIR: a line per test with its wall and CPU seconds, a subprocess's CPU among its
+  children's (what the suite's time is made of on a CPU-bound box)."""
+  out = tmp_path / "profile"
+  (tmp_path / "t").mkdir()
+  proc = _run_with_the_suites_conftest(
+      tmp_path / "t", "test_two.py",
+      "import subprocess, sys\n"
+      "def test_idle():\n"
+      "  pass\n"
+      "def test_busy_child():\n"
+      "  subprocess.run([sys.executable, '-c', 'sum(i * i for i in range(3_000_000))'], check=True)\n",
+      {"OPDJAX_TEST_PROFILE": str(out), "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+  lines = {r["test"].split("::")[1]: r for r in map(json.loads, (out / "main.jsonl").read_text().splitlines())}
+  assert set(lines) == {"test_idle", "test_busy_child"}
+  assert lines["test_busy_child"]["children_cpu_s"] > 0.05 > lines["test_idle"]["children_cpu_s"]
+  assert all(r["wall_s"] >= 0 and r["self_cpu_s"] >= 0 for r in lines.values())
