@@ -543,12 +543,15 @@ def _splits(r: dict) -> dict:
 def admission_agreement(r: dict) -> str:
   """How many of the admission verdicts the trained quality bore out, beside the trivial rules (accept every
   candidate, reject every one) on the same candidates."""
+  from opdjax.analyses import verdicts  # scipy: imported where a view needs it, as reproduction_table does
+
   t = r["result"]["table"]
-  col, n = t["columns"].index, len(t["rows"])
-  right = sum(row[col("verdict right")].startswith("yes") for row in t["rows"])
-  fine = sum(row[col("quality within tolerance")] == "yes" for row in t["rows"])
-  return (f"{right} of {n} verdicts agree with the trained quality; accepting every candidate would agree on {fine},"
-          f" rejecting every one on {n - fine}")
+  col = t["columns"].index
+  rows = [{"name": row[col("candidate")], "verdict": row[col("verdict")],
+           "quality_ok": row[col("quality within tolerance")] == "yes"} for row in t["rows"]]
+  ev = verdicts.admission_vs_trivial(rows, budget_trusted=True).evidence  # the study's own count (claim 5)
+  return (f"{ev['agree']} of {ev['total']} verdicts agree with the trained quality; accepting every candidate would"
+          f" agree on {ev['accept_all']}, rejecting every one on {ev['reject_all']}")
 
 
 def schedule_worked(r: dict) -> str:
@@ -750,6 +753,7 @@ def repro_resumed_cost(r: dict) -> str:
   (name, st), la = next(iter(res["stages"].items())), res["load_average"]
   return (f"the {name.replace('_', ' ')} stage {st['wall_s']} s (its load: below; the result file's"
           f" {la['start']}-{la['end']} is the resume's, which kept that stage)")
+
 
 def _jsonl(name: str) -> Callable[[str], dict]:
   return lambda run: {"records": [json.loads(line) for line in open(os.path.join(run, name)) if line.strip()]}
