@@ -338,7 +338,8 @@ def pytest_runtest_protocol(item, nextitem):
           "self_cpu_s": round(cpu(resource.RUSAGE_SELF) - self0, 2),
           "children_cpu_s": round(cpu(resource.RUSAGE_CHILDREN) - kids0, 2), "load_1min": round(load, 2)}
   os.makedirs(folder, exist_ok=True)
-  with open(os.path.join(folder, os.environ.get("PYTEST_XDIST_WORKER", "main") + ".jsonl"), "a") as f:
+  worker = getattr(item.config, "workerinput", {}).get("workerid", "main")  # not the environment: a nested
+  with open(os.path.join(folder, worker + ".jsonl"), "a") as f:              # pytest inherits it
     f.write(json.dumps(line) + "\n")
 
 

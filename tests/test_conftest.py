@@ -24,11 +24,12 @@ def test_gpu_tests_are_skipped_not_an_internal_error_without_xdist():
 
 def _run_with_the_suites_conftest(folder, test_file: str, source: str, env: dict, *args: str):
   """pytest (with `args`) on `folder`/`test_file` holding `source`, beside the suite's conftest and helpers;
-  `env` on top of os.environ (a None value drops that variable)."""
+  `env` on top of os.environ (a None value drops that variable). The inner run is its own session: this
+  worker's PYTEST_XDIST_* variables are not passed on (an inner run once took itself for worker gw1)."""
   for name in ("conftest.py", "helpers.py"):
     (folder / name).symlink_to(os.path.join(ROOT, "tests", name))
   (folder / test_file).write_text(source)
-  full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+  full = {k: v for k, v in {**os.environ, **env}.items() if v is not None and not k.startswith("PYTEST_XDIST_")}
   full["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
   return subprocess.run([sys.executable, "-m", "pytest", *args, "-o", "addopts=", "-p", "no:cacheprovider",
                          str(folder / test_file)], cwd=folder, env=full, capture_output=True, text=True, timeout=300)
