@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from statistics import median_high
+from statistics import median, median_high
 
 from opdjax.analyses import prefix_shift_report, reporting
 
@@ -538,6 +538,90 @@ def _recorded(command: str, *views: str, lines: tuple[str, ...] = ()) -> Figure:
 
 def _splits(r: dict) -> dict:
   return {s["rollout_devices"]: s for s in r["result"]["splits"]}
+
+
+# ---------------------------------------------------------------- docs/admission.md: one validate_admission run
+def collect_admission(out: str) -> dict:
+  """scripts/validate_admission.py's three files: the calibration's budget (its points with every seed), the
+  admission of the candidates and their trained quality; the budget's config stays in the run folder."""
+  budget = json.load(open(os.path.join(out, "calibration", "budget.json")))
+  return {"budget": {k: v for k, v in budget.items() if k != "config"},
+          "admission": json.load(open(os.path.join(out, "admission", "admission.json"))),
+          "validation": json.load(open(os.path.join(out, "validation.json")))}
+
+
+def _seeds(values: list[float]) -> str:
+  return ", ".join(f"{v:.3g}" for v in values)
+
+
+def calibrate_fit(r: dict) -> str:
+  b = r["result"]["budget"]
+  fit, n = b["fit"], len(b["points"])
+  tol = fit["tolerance"]
+  warn = f"; **{b['warning']}**" if b.get("warning") else ""
+  return (f"{b['provenance']['wall_s'] / 60:.1f} minutes for {n} views x {fit['seeds']} seeds; tolerance"
+          f" {tol['reverse_kl']:.3g} nats (reverse KL) and {tol['accuracy']:.3g} (accuracy), **budget"
+          f" {b['budget']:.3g}**{warn}")
+
+
+def calibrate_table(r: dict) -> str:
+  b = r["result"]["budget"]
+  rows = []
+  for p in sorted(b["points"], key=lambda p: p["mismatch"]):
+    lo, hi = p["mismatch_ci"]
+    ci = f" ({lo:.2g}-{hi:.2g})" if hi > 0 else ""
+    rkl = f"{median(p['reverse_kl']):.3g} ({_seeds(p['reverse_kl'])})"  # the median admission's rule takes
+    rows.append([p["view"], f"{p['mismatch']:.3g}{ci}", rkl, f"{median(p['accuracy']):.3g}",
+                 "yes" if p["pass"] else "**no**"])
+  return markdown_table(["view", "mismatch (95% CI)", "reverse KL, median (seeds)", "accuracy, median", "pass"], rows)
+
+
+def admit_table(r: dict) -> str:
+  rows = [[c["name"], c["view"], f"{c['mismatch']:.2g}", f"{c['ci_high']:.2g}", c["verdict"],
+           f"{c['kv_tokens_ratio']:.3g}", f"{c['seconds']:.2g}"] for c in r["result"]["admission"]["candidates"]]
+  return markdown_table(["candidate", "view", "mismatch", "95% upper", "verdict", "KV tokens ratio", "seconds"], rows)
+
+
+def validate_table(r: dict) -> str:
+  rows = []
+  for v in r["result"]["validation"]["rows"]:
+    right = "yes" if v["agrees"] else "**no** (" + ("too strict" if v["verdict"] == "reject" else "false accept") + ")"
+    rows.append([v["name"], v["verdict"], f"{v['reverse_kl_median']:.3g} ({_seeds(v['reverse_kl'])})",
+                 f"{v['accuracy_median']:.3g}", "yes" if v["quality_ok"] else "no", right])
+  return markdown_table(["candidate", "verdict", "reverse KL median (seeds)", "accuracy median",
+                         "quality within tolerance", "verdict right"], rows)
+
+
+def validate_verdict(r: dict) -> str:
+  """The study's own rule for claim 5 on these candidates: agreement against accept-all and reject-all."""
+  from opdjax.analyses import verdicts  # scipy: imported where a view needs it
+
+  res = r["result"]
+  v = verdicts.admission_vs_trivial(res["validation"]["rows"], budget_trusted=not res["budget"].get("warning"))
+  ev = v.evidence
+  return (f"{ev['agree']} of {ev['total']} verdicts agree with the trained quality; accepting every candidate would"
+          f" agree on {ev['accept_all']}, rejecting every one on {ev['reject_all']}; false accepts:"
+          f" {', '.join(ev['false_accepts']) or 'none'}. The rule of claim 5: **{v.outcome}** ({v.reason})")
+
+
+def validate_timing(r: dict) -> str:
+  rows = r["result"]["validation"]["rows"]
+  admit = [v["admit_s"] for v in rows]
+  train = [v["train_s"] for v in rows]
+  return (f"{sum(train) / 60:.1f} minutes of training; admission took {min(admit):.2g}-{max(admit):.2g} s per"
+          f" candidate against {min(train):.0f}-{max(train):.0f} s of training per candidate")
+
+
+def _plot_budget(result: dict, path: str) -> str:
+  from opdjax.analyses.admission import plot_budget
+
+  return plot_budget(result["budget"], path)
+
+
+def _plot_validation(result: dict, path: str) -> str:
+  import validate_admission  # scripts/: its own figure (imported here only: it imports jax)
+
+  return validate_admission._plot(result["budget"], result["validation"]["rows"], path)
 
 
 def admission_agreement(r: dict) -> str:
@@ -1154,6 +1238,11 @@ FIGURES: dict[str, Figure] = {
                                        for m in ("demo", "smollm2")
                                        for tail, which in (("", "sweep"), ("_recipe", "recipe")))),
     "sensitivity_tests": _recorded("pytest tests/test_sensitivity.py", lines=("time",)),
+    "admission": Figure(("python scripts/validate_admission.py --out {out}",), collect_admission,
+                        {"fit": calibrate_fit, "calibration": calibrate_table, "admit": admit_table,
+                         "validation": validate_table, "verdict": validate_verdict, "timing": validate_timing},
+                        images=(("docs/figures/admission_budget.png", _plot_budget),
+                                ("docs/figures/admission_validation.png", _plot_validation))),
     "admission_calibrate": _recorded("opdjax calibrate --out DIR", "table", lines=("fit", "reading")),
     "admission_admit": _recorded("opdjax admit --budget DIR/budget.json --candidates candidates.txt --out DIR2",
                                  "table"),
