@@ -39,7 +39,7 @@ DEVICES = {
              "source": "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200): SXM BF16 989.4"
                        " TFLOPS and FP8 1,978.9 TFLOPS dense, HBM3e 4.8 TB/s, 141 GB; link: NDR InfiniBand"
                        " 400 Gb/s a GPU"},
-    "tpu-v5e": {"bf16_flops": 197e12, "fp8_flops": None, "hbm_bw": 819e9, "hbm_bytes": 16e9, "link_bw": 200e9,
+    "tpu-v5e": {"bf16_flops": 197e12, "fp8_flops": None, "hbm_bw": 819e9, "hbm_bytes": 16 * 2**30, "link_bw": 200e9,
                 "source": "Google Cloud TPU v5e documentation (cloud.google.com/tpu/docs/v5e): 197 TFLOPS bf16,"
                           " 394 TOPS int8 (no fp8), HBM2 16 GiB at 819 GB/s, ICI 1,600 Gbps a chip"},
 }
