@@ -550,10 +550,6 @@ def collect_admission(out: str) -> dict:
           "validation": json.load(open(os.path.join(out, "validation.json")))}
 
 
-def _seeds(values: list[float]) -> str:
-  return ", ".join(f"{v:.3g}" for v in values)
-
-
 def calibrate_fit(r: dict) -> str:
   b = r["result"]["budget"]
   fit, n = b["fit"], len(b["points"])
@@ -570,7 +566,7 @@ def calibrate_table(r: dict) -> str:
   for p in sorted(b["points"], key=lambda p: p["mismatch"]):
     lo, hi = p["mismatch_ci"]
     ci = f" ({lo:.2g}-{hi:.2g})" if hi > 0 else ""
-    rkl = f"{median(p['reverse_kl']):.3g} ({_seeds(p['reverse_kl'])})"  # the median admission's rule takes
+    rkl = f"{median(p['reverse_kl']):.3g} ({_seeds(p['reverse_kl'], '{:.3g}')})"  # the median admission's rule takes
     rows.append([p["view"], f"{p['mismatch']:.3g}{ci}", rkl, f"{median(p['accuracy']):.3g}",
                  "yes" if p["pass"] else "**no**"])
   return markdown_table(["view", "mismatch (95% CI)", "reverse KL, median (seeds)", "accuracy, median", "pass"], rows)
@@ -586,7 +582,7 @@ def validate_table(r: dict) -> str:
   rows = []
   for v in r["result"]["validation"]["rows"]:
     right = "yes" if v["agrees"] else "**no** (" + ("too strict" if v["verdict"] == "reject" else "false accept") + ")"
-    rows.append([v["name"], v["verdict"], f"{v['reverse_kl_median']:.3g} ({_seeds(v['reverse_kl'])})",
+    rows.append([v["name"], v["verdict"], f"{v['reverse_kl_median']:.3g} ({_seeds(v['reverse_kl'], '{:.3g}')})",
                  f"{v['accuracy_median']:.3g}", "yes" if v["quality_ok"] else "no", right])
   return markdown_table(["candidate", "verdict", "reverse KL median (seeds)", "accuracy median",
                          "quality within tolerance", "verdict right"], rows)

@@ -259,3 +259,16 @@ def test_a_list_numeral_is_not_a_number_but_a_wrapped_line_starting_with_one_is(
   assert dn.unmarked(items, "page.md") == []
   wrapped = "The recipe keeps layers 2 and\n11. of the model in bf16.\n"
   assert [(n, nums) for n, _, nums in dn.unmarked(wrapped, "page.md")] == [(1, ["2"]), (2, ["11"])]
+
+
+def test_a_code_path_that_no_longer_exists_fails_naming_file_and_line(tmp_path):
+  """A doc naming a module that a refactor moved (`opdjax/admission.py`, now under opdjax/analyses/) fails."""
+  root = _copy(tmp_path)
+  assert docs.check_code_paths(str(root)) == []
+  page = root / "docs" / "admission.md"
+  text = page.read_text()
+  assert "`opdjax/analyses/admission.py`" in text
+  page.write_text(text.replace("`opdjax/analyses/admission.py`", "`opdjax/admission.py`", 1))
+  line = text[:text.index("`opdjax/analyses/admission.py`")].count("\n") + 1
+  assert docs.check_code_paths(str(root)) == [f"docs/admission.md:{line}: `opdjax/admission.py` is not a file of the"
+                                              " repository (moved? name where it is now)"]
