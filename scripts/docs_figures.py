@@ -555,9 +555,22 @@ def calibrate_fit(r: dict) -> str:
   fit, n = b["fit"], len(b["points"])
   tol = fit["tolerance"]
   warn = f"; **{b['warning']}**" if b.get("warning") else ""
+  bound = (f", the smallest failing view at {fit['smallest_failing_mismatch']:.3g}" if fit["smallest_failing_mismatch"]
+           is not None else ": no view failed, so it is a lower bound (the largest mismatch tried)")
   return (f"{b['provenance']['wall_s'] / 60:.1f} minutes for {n} views x {fit['seeds']} seeds; tolerance"
-          f" {tol['reverse_kl']:.3g} nats (reverse KL) and {tol['accuracy']:.3g} (accuracy), **budget"
-          f" {b['budget']:.3g}**{warn}")
+          f" {tol['reverse_kl']:.3g} nats (reverse KL) and {tol['accuracy']:.3g} (accuracy), from the clean seeds'"
+          f" std {fit['clean_std']['reverse_kl']:.3g} and {fit['clean_std']['accuracy']:.3g}; **budget"
+          f" {b['budget']:.3g}**{bound}{warn}")
+
+
+def calibrate_caveats(r: dict) -> str:
+  """What the budget cannot say (opdjax.analyses.admission.caveats: what `opdjax calibrate` prints and stores)."""
+  from opdjax.analyses import admission  # imported where the view needs it: it imports jax
+
+  b = r["result"]["budget"]
+  said = admission.caveats(b["points"], b["fit"], b["start"], b["fit"]["tolerance_sigmas"])
+  none = "none (a failing view brackets the budget, and the tolerance is under half the gain)"
+  return "; ".join(said) if said else none
 
 
 def calibrate_table(r: dict) -> str:
@@ -1235,8 +1248,9 @@ FIGURES: dict[str, Figure] = {
                                        for tail, which in (("", "sweep"), ("_recipe", "recipe")))),
     "sensitivity_tests": _recorded("pytest tests/test_sensitivity.py", lines=("time",)),
     "admission": Figure(("python scripts/validate_admission.py --out {out}",), collect_admission,
-                        {"fit": calibrate_fit, "calibration": calibrate_table, "admit": admit_table,
-                         "validation": validate_table, "verdict": validate_verdict, "timing": validate_timing},
+                        {"fit": calibrate_fit, "caveats": calibrate_caveats, "calibration": calibrate_table,
+                         "admit": admit_table, "validation": validate_table, "verdict": validate_verdict,
+                         "timing": validate_timing},
                         images=(("docs/figures/admission_budget.png", _plot_budget),
                                 ("docs/figures/admission_validation.png", _plot_validation))),
     "admission_calibrate": _recorded("opdjax calibrate --out DIR", "table", lines=("fit", "reading")),

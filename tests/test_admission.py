@@ -80,6 +80,28 @@ def test_bad_budget_files(tmp_path):
 
 
 @pytest.mark.slow
+def test_caveats_say_when_the_budget_is_a_lower_bound_and_the_tolerance_too_wide():
+  """Clean seeds that disagree widen the tolerance past half of what OPD learned (accuracy here), and no view
+  fails (the demo's fresh calibration, docs/admission.md, has the second only); both are said, with the seeds
+  the study's power rule asks for."""
+  start = {"reverse_kl": 8.0, "accuracy": 0.0}
+  wide = [_point("clean", 0.0, [0.05, 0.75, 1.9], [0.9, 0.5, 0.2]), _point("noise", 3.3, [0.5, 0.4, 0.7],
+                                                                         [0.6, 0.5, 0.4])]
+  fit = admission.fit_budget(wide, seeds=3, tolerance_sigmas=2.0, tolerance_rel=0.05)
+  got = admission.caveats(wide, fit, start, 2.0)
+  assert got[0] == "no view failed: the budget 3.3 is the largest mismatch tried, a lower bound"
+  assert len(got) == 2 and got[1].startswith("the accuracy tolerance") and "(now 3)" in got[1]  # gain 0.5
+  n = int(got[1].split("about ")[1].split(" seeds")[0])
+  s = np.std([0.9, 0.5, 0.2], ddof=1)
+  assert 2.0 * s * np.sqrt(2 / n) <= 0.5 / 2 < 2.0 * s * np.sqrt(2 / (n - 1))  # the fewest seeds, by the rule
+  # Tight clean seeds and a view that fails: nothing to say.
+  tight = [_point("clean", 0.0, [0.05, 0.06, 0.05], [0.98, 0.97, 0.98]), _point("a", 0.5, [0.05, 0.05, 0.06],
+                                                                               [0.98, 0.98, 0.97]),
+           _point("b", 1.0, [2.0, 2.5, 3.0], [0.5, 0.4, 0.3])]
+  fit = admission.fit_budget(tight, seeds=3, tolerance_sigmas=2.0, tolerance_rel=0.05)
+  assert fit["smallest_failing_mismatch"] == 1.0 and admission.caveats(tight, fit, start, 2.0) == []
+
+
 def test_calibrate_then_admit_end_to_end(demo_cache, tmp_path, capsys, script):
   out = tmp_path / "cal"
   small = ["--config.task.num_eval=32", "--config.rollout.batch_size=16", "--config.calibrate.steps=4",
@@ -90,6 +112,8 @@ def test_calibrate_then_admit_end_to_end(demo_cache, tmp_path, capsys, script):
   assert main(["calibrate", "--out", str(out), views, *small]) == 0
   budget = json.loads((out / "budget.json").read_text())
   assert "did not improve" in budget["warning"]  # a forced budget says why it cannot be trusted
+  printed = capsys.readouterr().out
+  assert isinstance(budget["caveats"], list) and all(f"caveat: {c}" in printed for c in budget["caveats"])
   points = {p["view"]: p for p in budget["points"]}
   assert points["clean"]["mismatch"] == 0.0
   assert 0 < points["noise_sigma=0.5"]["mismatch"] < points["noise_sigma=3.0"]["mismatch"]

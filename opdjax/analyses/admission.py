@@ -122,6 +122,26 @@ def untrusted(points: list[dict], fit: dict, start: dict) -> str:
   return ""
 
 
+def caveats(points: list[dict], fit: dict, start: dict, sigmas: float) -> list[str]:
+  """What the budget cannot say, in the study's terms (opdjax.analyses.verdicts, claim 1): no failing view
+  makes it a lower bound (the largest mismatch tried), and a tolerance above half the clean runs' gain lets
+  a view undo half of what OPD learned and still pass (with the seeds that would bring it under)."""
+  out = []
+  if fit["smallest_failing_mismatch"] is None:
+    out.append(f"no view failed: the budget {fit['budget']:.4g} is the largest mismatch tried, a lower bound")
+  clean = next(p for p in points if p["view"] == "clean")
+  for m in fit["metrics"]:
+    gain = QUALITY[m] * (start[m] - float(np.median(clean[m])))
+    if 0 < gain < 2 * fit["tolerance"][m]:
+      from opdjax.analyses.verdicts import seeds_needed  # the study's power rule (scipy: imported here only)
+
+      n = seeds_needed(float(np.std(clean[m], ddof=1)), gain, sigmas)
+      out.append(f"the {m} tolerance {fit['tolerance'][m]:.4g} is over half the clean runs' gain {gain:.4g}: a view"
+                 f" could undo half of what OPD learned and pass; about {n} seeds a view (now {len(clean[m])}) or"
+                 " longer runs would bring it under")
+  return out
+
+
 def calibrate(cfg: Config, out_dir: str, progress: bool = True, extend=None, max_runs: int | None = None,
               power=None) -> dict:
   """`power(clean_point, start) -> {"seeds": n, ...}`: after the clean view's `calibrate.seeds` pilot
@@ -197,6 +217,7 @@ def calibrate(cfg: Config, out_dir: str, progress: bool = True, extend=None, max
       "extension": {"max_runs": max_runs, "runs": len(points) * seeds, "added": added},
       "power": {"pilot_seeds": c.seeds, "seeds": seeds, "rounds": rounds},
       "warning": why or None,
+      "caveats": caveats(points, fit, start, c.tolerance_sigmas),
       "student_fingerprint": params_fingerprint(session.student_params),
       "config": cfg.to_dict(),
       "provenance": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -359,5 +380,6 @@ def report(result: dict) -> str:
            **{m: f"{np.median(p[m]):.4f} (seeds {', '.join(f'{x:.3f}' for x in p[m])})" for m in fit["metrics"]},
            **{f"loss_{m}": p["quality_loss"][m] for m in fit["metrics"]}, "pass": p["pass"]} for p in result["points"]]
   tol = ", ".join(f"{m} {v:.4g}" for m, v in fit["tolerance"].items())
+  notes = "".join(f"\ncaveat: {c}" for c in result.get("caveats", []))  # budgets of before caveats have none
   return (reporting.markdown_table(rows) + f"\n\ntolerance: {tol}\nbudget: {result['budget']:.4g}"
-          f" (exact KL per token; monotone: {fit['monotone']})")
+          f" (exact KL per token; monotone: {fit['monotone']})" + notes)
