@@ -630,7 +630,7 @@ def _plot_budget(result: dict, path: str) -> str:
 def _plot_validation(result: dict, path: str) -> str:
   import validate_admission  # scripts/: its own figure (imported here only: it imports jax)
 
-  return validate_admission._plot(result["budget"], result["validation"]["rows"], path)
+  return validate_admission.plot(result["budget"], result["validation"]["rows"], path)
 
 
 def schedule_worked(r: dict) -> str:
@@ -1101,7 +1101,7 @@ def sens_spearman(r: dict) -> str:
 def _sens_plot(model: str, which: str) -> Callable[[dict, str], str]:
   from opdjax.analyses import sensitivity_report
 
-  plot = sensitivity_report._plot_sweep if which == "sweep" else sensitivity_report._plot_recipe
+  plot = sensitivity_report.plot_sweep if which == "sweep" else sensitivity_report.plot_recipe
   return lambda result, path: plot(result[model], path)
 
 

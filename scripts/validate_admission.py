@@ -93,12 +93,12 @@ def main(argv=None) -> int:
             for m in fit["metrics"]}, "rows": rows, "agree": sum(r["agrees"] for r in rows), "total": len(rows)}
   reporting.write_json(os.path.join(args.out, "validation.json"), result)
   reporting.write_text(os.path.join(args.out, "validation.md"), reporting.markdown_table(rows) + "\n")
-  _plot(budget, rows, os.path.join(args.out, "validation.png"))
+  plot(budget, rows, os.path.join(args.out, "validation.png"))
   print(f"\nverdicts agreeing with trained quality: {result['agree']}/{result['total']}")
   return 0
 
 
-def _plot(budget, rows, path):
+def plot(budget, rows, path):
   metrics = budget["fit"]["metrics"]
   fig, axes = reporting.figure(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
   clean = next(p for p in budget["points"] if p["view"] == "clean")

@@ -54,7 +54,7 @@ def tables(results: dict) -> str:
   ]) + "\n"
 
 
-def _plot_sweep(results: dict, path: str) -> str:
+def plot_sweep(results: dict, path: str) -> str:
   points = results["settings"]["perturbations"]
   n = results["model"]["num_layers"]
   fig, axes = reporting.figure(len(points), 2, figsize=(10, 1.6 + 1.4 * len(points)), squeeze=False,
@@ -78,7 +78,7 @@ def _plot_sweep(results: dict, path: str) -> str:
   return reporting.save_figure(fig, path)
 
 
-def _plot_recipe(results: dict, path: str) -> str:
+def plot_recipe(results: dict, path: str) -> str:
   from matplotlib.ticker import MaxNLocator
 
   rec, base, curve = results["recipe"], results["baselines"], results["curve"]
@@ -123,8 +123,8 @@ def write_outputs(results: dict, out_dir: str) -> list[str]:
       reporting.write_text(j("sensitivity.md"), tables(results)),
       reporting.write_json(j("recipe.json"), recipe),
       reporting.write_text(j("recipe_view.txt"), rec["engine_view"] + "\n"),
-      _plot_sweep(results, j("sensitivity.png")),
-      _plot_recipe(results, j("sensitivity_recipe.png")),
+      plot_sweep(results, j("sensitivity.png")),
+      plot_recipe(results, j("sensitivity_recipe.png")),
   ]
   return files
 
