@@ -110,12 +110,17 @@ def fit_budget(points: list[dict], seeds: int, tolerance_sigmas: float, toleranc
   return fit
 
 
+def clean_gain(clean: dict, start: dict, m: str) -> float:
+  """How much the clean runs' median improved metric m on the starting student (positive: learned)."""
+  return QUALITY[m] * (start[m] - float(np.median(clean[m])))
+
+
 def untrusted(points: list[dict], fit: dict, start: dict) -> str:
   """Why the calibration cannot be trusted ('' when it can): the clean runs must improve on the
   starting student by more than the tolerance on every quality metric, or no failure means anything."""
   clean = next(p for p in points if p["view"] == "clean")
   for m in fit["metrics"]:
-    gain = QUALITY[m] * (start[m] - float(np.median(clean[m])))
+    gain = clean_gain(clean, start, m)
     if gain <= fit["tolerance"][m]:
       return (f"the clean runs did not improve {m} beyond the tolerance ({start[m]:.4g} at step 0 -> median"
               f" {np.median(clean[m]):.4g}; tolerance {fit['tolerance'][m]:.4g})")
@@ -131,7 +136,7 @@ def caveats(points: list[dict], fit: dict, start: dict, sigmas: float) -> list[s
     out.append(f"no view failed: the budget {fit['budget']:.4g} is the largest mismatch tried, a lower bound")
   clean = next(p for p in points if p["view"] == "clean")
   for m in fit["metrics"]:
-    gain = QUALITY[m] * (start[m] - float(np.median(clean[m])))
+    gain = clean_gain(clean, start, m)
     if 0 < gain < 2 * fit["tolerance"][m]:
       from opdjax.analyses.verdicts import seeds_needed  # the study's power rule (scipy: imported here only)
 
