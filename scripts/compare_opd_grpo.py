@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -44,6 +46,7 @@ def main(argv=None) -> int:
   cfg = sweep_config(resolve_config(args.config, split_overrides(DEFAULTS + extra)), args.steps, args.eval_every)
   views = admission.require_clean([EngineView.parse(v) for v in args.views.split(";")], f"--views={args.views!r}")
   runner = Session(cfg)
+  load0, t0 = os.getloadavg()[0], time.time()
   algos = args.algos.split(",")
   runs, rows = {}, []
   for view in views:
@@ -62,33 +65,41 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   result = {"views": [str(v) for v in views], "algos": algos, "steps": args.steps, "seeds": args.seeds,
             "grpo": cfg.to_dict()["grpo"], "optim": cfg.to_dict()["optim"], "rows": rows, "runs": runs,
-            "compiled": runner.compiled_counts(),
+            "compiled": runner.compiled_counts(), "wall_s": round(time.time() - t0, 1),
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                     cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None,
+            "load_average": {"start": round(load0, 1), "end": round(os.getloadavg()[0], 1)},
+            "argv": list(sys.argv[1:] if argv is None else argv),
             "stability_rule": ("collapse: final held-out accuracy < 0.5 x its best (best > 0.1) or a non-finite"
                                " step; spike: grad norm > 5 x the median of the previous 20 steps")}
   reporting.write_json(os.path.join(args.out, "compare.json"), result)
   reporting.write_text(os.path.join(args.out, "compare.md"), reporting.markdown_table(rows) + "\n")
-  _plot(runs, views, algos, args.seeds, args.out)
+  for metric, name in (("accuracy", "curves.png"), ("grad_norm", "grad_norm.png")):
+    plot(result, os.path.join(args.out, name), metric)
   print(reporting.markdown_table(rows))
   return 0
 
 
-def _plot(runs, views, algos, seeds, out):
+def plot(result: dict, path: str, metric: str = "accuracy") -> str:
+  """One panel a view: `metric` against the step, OPD blue and GRPO red, one line a seed (a run's records that
+  carry the metric: accuracy at the evaluations, grad_norm at every step)."""
   colors = {"opd": "tab:blue", "grpo": "tab:red"}
-  for metric, name in (("accuracy", "curves.png"), ("grad_norm", "grad_norm.png")):
-    fig, axes = reporting.figure(1, len(views), figsize=(3.6 * len(views), 3.2), squeeze=False, sharey=True)
-    for ax, view in zip(axes[0], views):
-      for algo in algos:
-        for s in range(seeds):
-          recs = [r for r in runs[f"{algo}|{view}|{s}"] if metric in r]
-          ax.plot([r["step"] for r in recs], [r[metric] for r in recs], color=colors.get(algo, "k"), alpha=0.8,
-                  lw=1, label=algo if s == 0 else None)
-      ax.set_title(str(view), fontsize=8)
-      ax.set_xlabel("step")
-      if metric == "grad_norm":
-        ax.set_yscale("log")
-    axes[0][0].set_ylabel("held-out accuracy" if metric == "accuracy" else "grad norm (before clipping)")
-    axes[0][0].legend(fontsize=7)
-    reporting.save_figure(fig, os.path.join(out, name))
+  views, runs = result["views"], result["runs"]
+  fig, axes = reporting.figure(1, len(views), figsize=(3.6 * len(views), 3.2), squeeze=False, sharey=True)
+  for ax, view in zip(axes[0], views):
+    for algo in result["algos"]:
+      for s in range(result["seeds"]):
+        recs = [r for r in runs[f"{algo}|{view}|{s}"] if metric in r]
+        ax.plot([r["step"] for r in recs], [r[metric] for r in recs], color=colors.get(algo, "k"), alpha=0.8,
+                lw=1, label=algo if s == 0 else None)
+    ax.set_title(view, fontsize=8)
+    ax.set_xlabel("step")
+    if metric == "grad_norm":
+      ax.set_yscale("log")
+  axes[0][0].set_ylabel("held-out accuracy" if metric == "accuracy" else "grad norm (before clipping)")
+  axes[0][0].legend(fontsize=7)
+  reporting.save_figure(fig, path)
+  return path
 
 
 if __name__ == "__main__":

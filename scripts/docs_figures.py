@@ -633,6 +633,31 @@ def _plot_validation(result: dict, path: str) -> str:
   return validate_admission.plot(result["budget"], result["validation"]["rows"], path)
 
 
+# ---------------------------------------------------------------- docs/admission.md: OPD vs GRPO, two compare runs
+OPD_GRPO = "python scripts/compare_opd_grpo.py --steps 800 --eval-every 50 --out {out}/"
+
+
+def _compare_run(path: str) -> dict:
+  """One compare.json without its per-step records: each run keeps its evaluations (step, accuracy, reverse
+  KL: the PNG's curves) and the mismatch of its first step."""
+  c = json.load(open(path))
+  runs = {k: [{f: r[f] for f in ("step", "accuracy", "reverse_kl")} for r in recs if "accuracy" in r]
+          for k, recs in c["runs"].items()}
+  start = {k: next(r["mismatch_kl_k3_tok"] for r in recs if "mismatch_kl_k3_tok" in r) for k, recs in c["runs"].items()}
+  return {**{k: v for k, v in c.items() if k != "runs"}, "runs": runs, "mismatch_at_start": start}
+
+
+def collect_opd_grpo(out: str) -> dict:
+  """The comparison (OPD and GRPO, five views) and GRPO with TIS on three of them."""
+  return {part: _compare_run(os.path.join(out, part, "compare.json")) for part in ("main", "tis")}
+
+
+def _plot_opd_grpo(result: dict, path: str) -> str:
+  import compare_opd_grpo  # scripts/: its own figure (imported here only: it imports jax)
+
+  return compare_opd_grpo.plot(result["main"], path)
+
+
 def schedule_worked(r: dict) -> str:
   """README's worked example: the 4 / 12 split `opdjax plan --schedule` predicts, against the best and 8 / 8."""
   res = r["result"]
@@ -1241,8 +1266,9 @@ FIGURES: dict[str, Figure] = {
                                 ("docs/figures/admission_validation.png", _plot_validation))),
     # the first-wave calibration (commit 8636499, other demo models): docs/admission.md cites its fit
     "admission_calibrate": _recorded("opdjax calibrate --out DIR", lines=("fit",)),
-    "opd_grpo": _recorded("python scripts/compare_opd_grpo.py --out DIR", "table", "tis", lines=("setup", "reading")),
-    "opd_grpo_wall": _recorded("python scripts/compare_opd_grpo.py --out DIR", lines=("wall",)),
+    "opd_grpo": Figure((OPD_GRPO + "main", OPD_GRPO + "tis --algos grpo --views 'clean;noise_sigma=0.8;lag=32'"
+                        " --config.grpo.is_correction=tis"), collect_opd_grpo, {},
+                       images=(("docs/figures/opd_grpo_accuracy.png", _plot_opd_grpo),)),
     "time_to_quality": Figure(("python scripts/time_to_quality.py --out DIR",), None, {
         "runs": recorded_table("runs"), "speedups": recorded_table("speedups"),
         "bench": recorded_table("runs", ("configuration", "reached acc 0.95", "s for 800 steps",
