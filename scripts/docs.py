@@ -21,8 +21,8 @@ A figure that could not be re-measured keeps its numbers in a result file whose 
 re-measured" beside it, and `--refresh` re-measures it.
 
 A PNG in docs/figures is drawn from its result file (a Figure's `images`) by --refresh and --render, carries
-the digest of the data it was drawn from, and --check compares it with a re-drawing; the ones no result file
-can draw are listed, with why, in docs_figures.NOT_REBUILDABLE. A number in the docs outside the markers
+the digest of the data it was drawn from, and --check compares it with a re-drawing; a PNG no result file
+draws fails --check. A number in the docs outside the markers
 fails --check unless scripts/docs_numbers.py calls it a constant.
 """
 
@@ -47,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]  # opdjax's table code (no jax import)
 import docs_figures as df  # noqa: E402
 import docs_numbers  # noqa: E402
-from docs_figures import FIGURES, NOT_REBUILDABLE, DocsError, collect_run, provenance  # noqa: E402
+from docs_figures import FIGURES, DocsError, collect_run, provenance  # noqa: E402
 
 from opdjax.analyses import reporting  # noqa: E402
 
@@ -175,37 +175,19 @@ def draw(root: str, name: str, r: dict, into: str | None = None) -> list[str]:
   return paths
 
 
-def _drawable(name: str, r: dict, tmp: str) -> bool:
-  """Whether NAME's result holds what its PNGs are drawn from (a recorded table or a run collected without
-  its curves does not)."""
-  try:
-    draw("", name, r, into=tmp)
-    return True
-  except (KeyError, TypeError, IndexError):
-    import matplotlib.pyplot as plt
-
-    plt.close("all")  # the figure the plot opened before it found its data missing
-    return False
-
-
 def check_pngs(root: str) -> list[str]:
   """Every docs/figures/*.png is drawn by a Figure from its result file and equals a re-drawing of it
-  (the digest of the data it says it was drawn from, then its pixels), or is listed in NOT_REBUILDABLE."""
+  (the digest of the data it says it was drawn from, then its pixels)."""
   import numpy as np
   from PIL import Image
 
   owner = {path: name for name, fig in FIGURES.items() for path, _ in fig.images}
-  pngs = sorted({*glob.glob("docs/figures/*.png", root_dir=root), *owner, *NOT_REBUILDABLE})
+  pngs = sorted({*glob.glob("docs/figures/*.png", root_dir=root), *owner})
   errors, drawn = [], {}
   with tempfile.TemporaryDirectory() as tmp:
     for path in pngs:
       full = os.path.join(root, path)
       name = owner.get(path)
-      if path in NOT_REBUILDABLE:
-        if name and _drawable(name, load_result(root, name), tmp):
-          errors.append(f"{path}: listed in NOT_REBUILDABLE (scripts/docs_figures.py) but"
-                        f" docs/results/{name}.json draws it now: drop it from the list and `--render`")
-        continue
       if not name:
         errors.append(f"{path}: no result file draws it: add it to a Figure's images (scripts/docs_figures.py)")
         continue
@@ -369,14 +351,12 @@ def render_all(root: str) -> list[str]:
     if new != text:
       reporting.write_text(full, new)
       changed.append(path)
-  with tempfile.TemporaryDirectory() as tmp:  # PNGs drawn from a result that holds their data
-    for name, fig in FIGURES.items():
-      if fig.images and os.path.isfile(result_path(root, name)) and \
-          not any(p in NOT_REBUILDABLE for p, _ in fig.images) and _drawable(name, load_result(root, name), tmp):
-        before = {p: open(os.path.join(root, p), "rb").read() for p, _ in fig.images
-                  if os.path.isfile(os.path.join(root, p))}
-        changed += [os.path.relpath(p, root) for p in draw(root, name, load_result(root, name))
-                    if open(p, "rb").read() != before.get(os.path.relpath(p, root))]
+  for name, fig in FIGURES.items():  # the PNGs, each from its result file
+    if fig.images and os.path.isfile(result_path(root, name)):
+      before = {p: open(os.path.join(root, p), "rb").read() for p, _ in fig.images
+                if os.path.isfile(os.path.join(root, p))}
+      changed += [os.path.relpath(p, root) for p in draw(root, name, load_result(root, name))
+                  if open(p, "rb").read() != before.get(os.path.relpath(p, root))]
   return changed
 
 

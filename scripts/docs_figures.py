@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import re
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median, median_high
@@ -638,24 +639,97 @@ OPD_GRPO = "python scripts/compare_opd_grpo.py --steps 800 --eval-every 50 --out
 
 
 def _compare_run(path: str) -> dict:
-  """One compare.json without its per-step records: each run keeps its evaluations (step, accuracy, reverse
-  KL: the PNG's curves) and the mismatch of its first step."""
+  """One compare.json without its per-step records: each run keeps its evaluations (step, held-out accuracy
+  and reverse KL at the steps that evaluated: the PNG's curves)."""
   c = json.load(open(path))
-  runs = {k: [{f: r[f] for f in ("step", "accuracy", "reverse_kl")} for r in recs if "accuracy" in r]
+  runs = {k: [{f: r[f] for f in ("step", "accuracy", "reverse_kl")} for r in recs if r.get("eval_step", 0) == r["step"]]
           for k, recs in c["runs"].items()}
-  start = {k: next(r["mismatch_kl_k3_tok"] for r in recs if "mismatch_kl_k3_tok" in r) for k, recs in c["runs"].items()}
-  return {**{k: v for k, v in c.items() if k != "runs"}, "runs": runs, "mismatch_at_start": start}
+  return {**{k: v for k, v in c.items() if k != "runs"}, "runs": runs}
 
 
 def collect_opd_grpo(out: str) -> dict:
-  """The comparison (OPD and GRPO, five views) and GRPO with TIS on three of them."""
-  return {part: _compare_run(os.path.join(out, part, "compare.json")) for part in ("main", "tis")}
+  """The comparison (OPD and GRPO, five views) and GRPO with TIS on three of them; the commit and the load
+  are the runs' own (`--refresh opd_grpo --from DIR` keeps them)."""
+  main, tis = (_compare_run(os.path.join(out, part, "compare.json")) for part in ("main", "tis"))
+  return {"commit": main["commit"], "load_average": {"start": main["load_average"]["start"],
+                                                     "end": tis["load_average"]["end"]}, "main": main, "tis": tis}
 
 
 def _plot_opd_grpo(result: dict, path: str) -> str:
   import compare_opd_grpo  # scripts/: its own figure (imported here only: it imports jax)
 
   return compare_opd_grpo.plot(result["main"], path)
+
+
+def _og_runs(part: dict, algo: str, view: str) -> list[dict]:
+  return sorted((x for x in part["rows"] if x["algo"] == algo and x["view"] == view), key=lambda x: x["seed"])
+
+
+def _og_cells(rows: list[dict], key: str, fmt: str = "{:.3f}") -> str:
+  return ", ".join(fmt.format(x[key]) for x in rows)
+
+
+def _og_collapsed(rows: list[dict]) -> str:
+  return ", ".join("**yes**" if x["collapsed"] else "no" for x in rows)
+
+
+def _og_start_accuracy(part: dict) -> float:
+  """The held-out accuracy every run starts from (its step-0 evaluation: the SFT student)."""
+  return statistics.median(pts[0]["accuracy"] for pts in part["runs"].values())
+
+
+def opd_grpo_setup(r: dict) -> str:
+  m = r["result"]["main"]
+  argv = m["argv"]
+  every = argv[argv.index("--eval-every") + 1]
+  return (f"the demo student after its SFT steps (held-out accuracy {_og_start_accuracy(m):.3f} at step 0);"
+          f" OPD's learning rate {m['optim']['learning_rate']:g}, GRPO's {m['grpo']['learning_rate']:g}, group"
+          f" size {m['grpo']['group_size']}; {m['steps']} steps, {m['seeds']} seeds a view, held-out evaluation"
+          f" every {every} steps")
+
+
+def opd_grpo_table(r: dict) -> str:
+  """Per view: the engine's mismatch (k3 KL a token, averaged over a run's steps; the median of OPD's runs),
+  OPD's and GRPO's final accuracy and grad-norm spikes per seed, and whether each collapsed."""
+  m, out = r["result"]["main"], []
+  for view in m["views"]:
+    opd, grpo = _og_runs(m, "opd", view), _og_runs(m, "grpo", view)
+    mismatch = statistics.median(x["train_mismatch_kl_k3"] for x in opd)
+    out.append([f"{view} ({mismatch:.2g})", _og_cells(opd, "final_accuracy"), _og_cells(opd, "grad_norm_spikes", "{}"),
+                _og_collapsed(opd), _og_cells(grpo, "final_accuracy"), _og_cells(grpo, "grad_norm_spikes", "{}"),
+                _og_collapsed(grpo)])
+  return markdown_table(["view (mismatch)", "OPD final accuracy", "OPD spikes", "OPD collapsed",
+                         "GRPO final accuracy", "GRPO spikes", "GRPO collapsed"], out)
+
+
+def opd_grpo_tis(r: dict) -> str:
+  t = r["result"]["tis"]
+  rows = [[v, _og_cells(_og_runs(t, "grpo", v), "final_accuracy"), _og_cells(_og_runs(t, "grpo", v), "grad_norm_spikes",
+                                                                          "{}"), _og_collapsed(_og_runs(t, "grpo", v))]
+          for v in t["views"]]
+  return markdown_table(["view", "GRPO+TIS final accuracy", "spikes", "collapsed"], rows)
+
+
+def opd_grpo_wall(r: dict) -> str:
+  m, t = r["result"]["main"], r["result"]["tis"]
+  return (f"{(m['wall_s'] + t['wall_s']) / 60:.0f} minutes for both runs (load average {m['load_average']['start']}"
+          f" at the start, {t['load_average']['end']} at the end)")
+
+
+def opd_grpo_counts(r: dict) -> str:
+  """The reading's counts: OPD's lowest final accuracy and its collapses; GRPO's runs that ended below the
+  start, its collapses, and the views where it spiked most."""
+  m = r["result"]["main"]
+  start = _og_start_accuracy(m)
+  opd = [x for x in m["rows"] if x["algo"] == "opd"]
+  grpo = [x for x in m["rows"] if x["algo"] == "grpo"]
+  below = [x for x in grpo if x["final_accuracy"] < start]
+  worst = max(grpo, key=lambda x: x["grad_norm_spikes"])
+  return (f"OPD ended at accuracy {min(x['final_accuracy'] for x in opd):.3f} or above in all {len(opd)} runs and"
+          f" collapsed in {sum(x['collapsed'] for x in opd)}; GRPO ended below the start ({start:.3f}) in {len(below)}"
+          f" of {len(grpo)} runs ({', '.join(sorted({x['view'] for x in below})) or 'none'}) and collapsed in"
+          f" {sum(x['collapsed'] for x in grpo)}; its most spikes were {worst['grad_norm_spikes']} of"
+          f" {m['steps']} steps ({worst['view']}), against at most {max(x['grad_norm_spikes'] for x in opd)} for OPD")
 
 
 def schedule_worked(r: dict) -> str:
@@ -1267,7 +1341,9 @@ FIGURES: dict[str, Figure] = {
     # the first-wave calibration (commit 8636499, other demo models): docs/admission.md cites its fit
     "admission_calibrate": _recorded("opdjax calibrate --out DIR", lines=("fit",)),
     "opd_grpo": Figure((OPD_GRPO + "main", OPD_GRPO + "tis --algos grpo --views 'clean;noise_sigma=0.8;lag=32'"
-                        " --config.grpo.is_correction=tis"), collect_opd_grpo, {},
+                        " --config.grpo.is_correction=tis"), collect_opd_grpo,
+                       {"setup": opd_grpo_setup, "table": opd_grpo_table, "tis": opd_grpo_tis, "wall": opd_grpo_wall,
+                        "counts": opd_grpo_counts},
                        images=(("docs/figures/opd_grpo_accuracy.png", _plot_opd_grpo),)),
     "time_to_quality": Figure(("python scripts/time_to_quality.py --out DIR",), None, {
         "runs": recorded_table("runs"), "speedups": recorded_table("speedups"),
@@ -1283,8 +1359,7 @@ FIGURES: dict[str, Figure] = {
         **TTQ_VIEWS, "summary": ttq_engine_summary, "sync_ms": _ttq_step_ms("sync_disaggregated"),
         "sync_walls": ttq_sync_walls, "k1_walls": ttq_k1_walls,
         "disaggregated_vs_colocated": value("speedup_sync_disaggregated_vs_sync_colocated", "{:.2f}x"),
-        "k1_vs_colocated": value("speedup_async_k1_vs_sync_colocated", "{:.2f}x")},
-        images=(("docs/figures/time_to_quality_disaggregated.png", plot_ttq),)),
+        "k1_vs_colocated": value("speedup_async_k1_vs_sync_colocated", "{:.2f}x")}),
     "ttq_worked": Figure((TTQ_BEFORE + " --config configs/demo_worked.py --out {out}",), collect_ttq, TTQ_VIEWS),
     # Numbers of docs/async.md's earlier runs, transcribed where they first appeared (their runs kept no result).
     "ttq_first_run": _recorded("python scripts/time_to_quality.py --out DIR", lines=("cpu", "tolerance", "final")),
@@ -1379,18 +1454,4 @@ FIGURES: dict[str, Figure] = {
                                     " vllm.LLM per setting by hand", "table", lines=("test_time",)),
     "schedule_validation": Figure(("python scripts/validate_schedule.py --engines jax,vllm --out {out}",),
                                   _read_json("schedule_validation.json"), {"table": schedule_validation_table}),
-}
-
-
-# PNGs in docs/figures that no result file can redraw: the command that drew them kept only a rendered table
-# in its result file (or stripped the curves), and its raw output is gone. --check accepts exactly these;
-# re-measuring with `--refresh NAME` (a Figure with `images`) takes one off the list.
-NOT_REBUILDABLE: dict[str, str] = {
-    "docs/figures/opd_grpo_accuracy.png": "drawn by scripts/compare_opd_grpo.py (commit 8636499); opd_grpo.json"
-                                          " keeps only its tables",
-    "docs/figures/time_to_quality.png": "drawn by scripts/time_to_quality.py (commit 51373df);"
-                                        " time_to_quality.json keeps only its tables (no runs[*].curve)",
-    "docs/figures/time_to_quality_disaggregated.png": "drawn by scripts/time_to_quality.py --teacher-scoring"
-                                                      " engine (commit 99f9d38); ttq_teacher_engine.json was"
-                                                      " collected without runs[*].curve",
 }

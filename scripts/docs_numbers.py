@@ -339,6 +339,10 @@ PROSE: dict[str, dict[str, str]] = {
         "grad norm > 5x the median of the previous 20 steps": "the spike rule (opdjax.analyses.sweep.stability)",
         "(best > 0.1)": "the collapse rule", ", threshold 2)": "grpo.is_threshold's default",
         "binary reward, 2 seeds": "scripts/compare_opd_grpo.py's --seeds default",
+        "SFT steps to 400": "scripts/compare_opd_grpo.py's DEFAULTS", "100-step student": "configs/demo.py's"
+        " student.sft_steps", "learning rate to 3e-4: at 1e-3 and at OPD's 5e-3": "compare_opd_grpo.py's DEFAULTS;"
+        " the first wave's trial rates; configs/demo.py's optim.learning_rate",
+        "--steps 800 --eval-every 50": "the opd_grpo Figure's command", "lag 32": "a view's name (lag=32)",
     },
     "docs/sensitivity.md": {  # the sweep's settings and constants, the tests' tolerances and counts
         "to 2e-5)": "tests/test_sensitivity.py's rtol", "is 0 unless top-k/top-p truncate": "the clean floor",

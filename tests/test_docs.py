@@ -219,30 +219,6 @@ def test_every_figure_from_a_recorded_result_says_so_where_it_is_rendered():
             (p, b.line, b.name)
 
 
-@pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
-def test_a_time_to_quality_result_with_curves_draws_its_png(tmp_path, capsys, monkeypatch):
-  """time_to_quality.py's runs[*].curve is what the PNG is drawn from: a result that has them can no longer
-  sit in NOT_REBUILDABLE, and once drawn its PNG is checked like any other."""
-  root = _copy(tmp_path)
-  path = root / "docs" / "results" / "ttq_teacher_engine.json"
-  r = json.loads(path.read_text())
-  assert all("curve" not in x for x in r["result"]["runs"])  # collected before collect_ttq kept them
-  for i, run in enumerate(r["result"]["runs"]):
-    run["curve"] = [{"step": s, "wall_s": 0.5 * s + i, "accuracy": min(1.0, 0.01 * s), "reverse_kl": 5.0 / (1 + s)}
-                    for s in range(0, 100, 20)]
-  r.pop("digest", None)
-  path.write_text(json.dumps(r))
-  png = "docs/figures/time_to_quality_disaggregated.png"
-  assert docs.main(["--check", "--root", str(root)]) == 1
-  assert f"{png}: listed in NOT_REBUILDABLE (scripts/docs_figures.py) but docs/results/ttq_teacher_engine.json" \
-      " draws it now" in capsys.readouterr().err
-  monkeypatch.delitem(docs.NOT_REBUILDABLE, png)  # as after re-measuring: the entry is dropped
-  assert docs.main(["--check", "--root", str(root)]) == 1
-  assert f"{png}: not drawn from docs/results/ttq_teacher_engine.json" in capsys.readouterr().err
-  assert docs.main(["--render", "--root", str(root)]) == 0
-  assert docs.main(["--check", "--root", str(root)]) == 0, capsys.readouterr().err
-
-
 def test_a_prose_phrase_lets_through_only_its_own_numbers(monkeypatch):
   dn = docs.docs_numbers
   monkeypatch.setitem(dn.PROSE, "page.md", {"Runs 1200 OPD steps": "the config"})
