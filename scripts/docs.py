@@ -175,6 +175,22 @@ def draw(root: str, name: str, r: dict, into: str | None = None) -> list[str]:
   return paths
 
 
+_REDRAWN: dict[tuple[str, str], list] = {}  # (figure, its result's digest): the re-drawn PNGs' pixels
+
+
+def _redrawn(root: str, name: str, r: dict, digest: str) -> list:
+  """NAME's PNGs re-drawn from its result `r` (whose digest is `digest`), as pixel arrays: drawn once a process
+  per result (a plot is a function of its result: a second --check in one process, as in the tests, reuses it)."""
+  import numpy as np
+  from PIL import Image
+
+  if (name, digest) not in _REDRAWN:
+    with tempfile.TemporaryDirectory() as tmp:
+      _REDRAWN[name, digest] = [np.asarray(Image.open(p).convert("RGBA"), dtype=np.int16)
+                                for p in draw(root, name, r, into=tmp)]
+  return _REDRAWN[name, digest]
+
+
 def check_pngs(root: str) -> list[str]:
   """Every docs/figures/*.png is drawn by a Figure from its result file and equals a re-drawing of it
   (the digest of the data it says it was drawn from, then its pixels)."""
@@ -183,31 +199,28 @@ def check_pngs(root: str) -> list[str]:
 
   owner = {path: name for name, fig in FIGURES.items() for path, _ in fig.images}
   pngs = sorted({*glob.glob("docs/figures/*.png", root_dir=root), *owner})
-  errors, drawn = [], {}
-  with tempfile.TemporaryDirectory() as tmp:
-    for path in pngs:
-      full = os.path.join(root, path)
-      name = owner.get(path)
-      if not name:
-        errors.append(f"{path}: no result file draws it: add it to a Figure's images (scripts/docs_figures.py)")
-        continue
-      if not os.path.isfile(full):
-        errors.append(f"{path}: missing; `python scripts/docs.py --render` draws it from docs/results/{name}.json")
-        continue
-      r = load_result(root, name)
-      want = reporting.record_digest({"result": r["result"]})
-      if Image.open(full).text.get(PNG_KEY) != want:
-        errors.append(f"{path}: not drawn from docs/results/{name}.json as it is now (its {PNG_KEY} differs):"
-                      " `python scripts/docs.py --render` redraws it")
-        continue
-      if name not in drawn:
-        drawn[name] = draw(root, name, r, into=tmp)
-      fresh = drawn[name][[p for p, _ in FIGURES[name].images].index(path)]
-      a, b = (np.asarray(Image.open(f).convert("RGBA"), dtype=np.int16) for f in (full, fresh))
-      if a.shape != b.shape or np.abs(a - b).max() > PIXEL_TOLERANCE:
-        moved = "its size" if a.shape != b.shape else f"{(np.abs(a - b).max(-1) > PIXEL_TOLERANCE).sum()} pixels"
-        errors.append(f"{path}: differs from a re-drawing from docs/results/{name}.json ({moved}):"
-                      " `python scripts/docs.py --render` redraws it")
+  errors = []
+  for path in pngs:
+    full = os.path.join(root, path)
+    name = owner.get(path)
+    if not name:
+      errors.append(f"{path}: no result file draws it: add it to a Figure's images (scripts/docs_figures.py)")
+      continue
+    if not os.path.isfile(full):
+      errors.append(f"{path}: missing; `python scripts/docs.py --render` draws it from docs/results/{name}.json")
+      continue
+    r = load_result(root, name)
+    want = reporting.record_digest({"result": r["result"]})
+    if Image.open(full).text.get(PNG_KEY) != want:
+      errors.append(f"{path}: not drawn from docs/results/{name}.json as it is now (its {PNG_KEY} differs):"
+                    " `python scripts/docs.py --render` redraws it")
+      continue
+    a = np.asarray(Image.open(full).convert("RGBA"), dtype=np.int16)
+    b = _redrawn(root, name, r, want)[[p for p, _ in FIGURES[name].images].index(path)]
+    if a.shape != b.shape or np.abs(a - b).max() > PIXEL_TOLERANCE:
+      moved = "its size" if a.shape != b.shape else f"{(np.abs(a - b).max(-1) > PIXEL_TOLERANCE).sum()} pixels"
+      errors.append(f"{path}: differs from a re-drawing from docs/results/{name}.json ({moved}):"
+                    " `python scripts/docs.py --render` redraws it")
   return errors
 
 

