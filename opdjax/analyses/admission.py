@@ -31,6 +31,7 @@ import numpy as np
 from opdjax.analyses import reporting
 from opdjax.analyses.mismatch import Measurer, parse_views, warmup_history
 from opdjax.analyses.sweep import final_quality, sweep_config, train_run
+from opdjax.analyses.verdicts import QUALITY, clean_gain
 from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
 from opdjax.models.quant import QuantFormat
@@ -39,8 +40,6 @@ from opdjax.pipeline.checkpoint import package_versions
 from opdjax.pipeline.session import Session
 from opdjax.progress import bar as progress_bar
 from opdjax.views.view import EngineView
-
-QUALITY = {"reverse_kl": +1, "accuracy": -1}  # sign of "worse" (reverse KL up, accuracy down)
 
 
 def require_clean(views: list[EngineView], what: str) -> list[EngineView]:
@@ -108,11 +107,6 @@ def fit_budget(points: list[dict], seeds: int, tolerance_sigmas: float, toleranc
   fit["smallest_failing_mismatch"] = None if not failing else limit
   fit["monotone"] = not any(p["pass"] for p in points if p["mismatch"] > limit)  # no pass above a failure
   return fit
-
-
-def clean_gain(clean: dict, start: dict, m: str) -> float:
-  """How much the clean runs' median improved metric m on the starting student (positive: learned)."""
-  return QUALITY[m] * (start[m] - float(np.median(clean[m])))
 
 
 def untrusted(points: list[dict], fit: dict, start: dict) -> str:

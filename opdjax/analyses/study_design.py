@@ -23,9 +23,9 @@ def seeds_for_power(clean: dict, start: dict, tolerance_sigmas: float, pilot: in
   most `max_seeds` (the run budget's share of one view). A metric that did not learn needs nothing
   (claim 1 is inconclusive on it whatever the seeds)."""
   needed = {}
-  for m, sign in verdicts.QUALITY.items():
+  for m in verdicts.QUALITY:
     if clean.get(m):
-      gain = sign * (start[m] - float(np.median(clean[m])))
+      gain = verdicts.clean_gain(clean, start, m)
       needed[m] = verdicts.seeds_needed(float(np.std(clean[m], ddof=1)), gain, tolerance_sigmas)
   want = max([n for n in needed.values() if n is not None], default=pilot)
   return {"seeds": int(min(max(want, pilot), max(max_seeds, pilot))), "needed": needed, "max_seeds": max_seeds,

@@ -35,11 +35,10 @@ import dataclasses
 import math
 
 import numpy as np
-from scipy import stats
 
 OUTCOMES = ("holds", "does not hold", "inconclusive")
 CONFIDENCE = 0.95
-QUALITY = {"reverse_kl": +1, "accuracy": -1}  # sign of "worse", as opdjax.analyses.admission
+QUALITY = {"reverse_kl": +1, "accuracy": -1}  # sign of "worse" (reverse KL up, accuracy down)
 FALSIFIERS = {  # per claim, the result that would have made it fail (docs/reproduction.md shows them)
     "1": "a view passing the tolerance at a larger mismatch than a view whose quality-loss interval lies "
         "above the tolerance (no budget separates them)",
@@ -87,7 +86,7 @@ def interval(values, confidence: float = CONFIDENCE) -> tuple[float, float, floa
   m = float(x.mean())
   if x.size < 2:
     return m, -math.inf, math.inf
-  half = float(stats.t.ppf(0.5 + confidence / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+  half = float(_t_ppf(0.5 + confidence / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
   return m, m - half, m + half
 
 
@@ -101,7 +100,7 @@ def welch_half_width(a, b, confidence: float = CONFIDENCE) -> float:
   if se2 == 0:
     return 0.0
   df = se2 ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))
-  return float(stats.t.ppf(0.5 + confidence / 2, df) * math.sqrt(se2))
+  return float(_t_ppf(0.5 + confidence / 2, df) * math.sqrt(se2))
 
 
 def seeds_needed(clean_std: float, gain: float, sigmas: float) -> int | None:
@@ -109,6 +108,19 @@ def seeds_needed(clean_std: float, gain: float, sigmas: float) -> int | None:
   if gain <= 0:
     return None
   return max(2, math.ceil(2 * (2 * sigmas * clean_std / gain) ** 2))
+
+
+def _t_ppf(q: float, df: float) -> float:
+  """Student's t quantile (scipy, imported here: `opdjax calibrate` and `admit` import this module for
+  QUALITY and clean_gain, which need no scipy)."""
+  from scipy import stats
+
+  return float(stats.t.ppf(q, df))
+
+
+def clean_gain(clean: dict, start: dict, m: str) -> float:
+  """How much the clean runs' median improved metric m on the starting student (positive: learned)."""
+  return QUALITY[m] * (start[m] - float(np.median(clean[m])))
 
 
 # --- claim 1 --------------------------------------------------------------------------------------
@@ -131,7 +143,7 @@ def budget_bracket(points: list[dict], fit: dict, start: dict, runs: dict) -> Ve
   falsifier = FALSIFIERS["1"]
   metrics, tol = fit["metrics"], fit["tolerance"]
   clean = next(p for p in points if p["view"] == "clean")
-  gain = {m: QUALITY[m] * (start[m] - float(np.median(clean[m]))) for m in metrics}
+  gain = {m: clean_gain(clean, start, m) for m in metrics}
   need = {m: seeds_needed(fit["clean_std"][m], gain[m], fit["tolerance_sigmas"]) for m in metrics}
   rows = []
   for p in sorted((p for p in points if p["view"] != "clean"), key=lambda p: p["mismatch"]):
