@@ -37,7 +37,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -143,12 +142,6 @@ def child(workload: str, serve: str, steps: int) -> None:
 
 # --- parent ----------------------------------------------------------------------
 
-def _commit() -> str:
-  run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-  dirty = run("status", "--porcelain", "--untracked-files=no")
-  return run("rev-parse", "--short", "HEAD") + (" (tracked files modified)" if dirty else "")
-
-
 def summarise(runs: list[dict]) -> dict:
   by = {s: [r for r in runs if r["serve"] == s] for s in ("trainer", "vllm")}
   med = {s: statistics.median([t for r in rs for t in r["step_s"]]) for s, rs in by.items()}
@@ -182,10 +175,12 @@ def main():
     return child(args.child[0], args.child[1], int(args.child[2]))
   steps = {k: int(v) for k, v in (p.split("=") for p in args.steps.split(","))}
   rounds = {k: int(v) for k, v in (p.split("=") for p in args.rounds.split(","))}
+  from opdjax.analyses import reporting
+
   load0, t0 = os.getloadavg(), time.time()
   result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
             "machine": _common.cpu_description(), "command": "PYTHONPATH=. python " + _common.command_line(),
-            "commit": _commit(), "workloads": {}}
+            "commit": reporting.git_commit(ROOT), "workloads": {}}
   for name in args.workloads.split(","):
     if steps[name] <= SKIP + 1:
       raise SystemExit(f"--steps {name}={steps[name]}: more than {SKIP + 1} (the first {SKIP} are not timed)")

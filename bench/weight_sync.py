@@ -188,6 +188,7 @@ def main():
 
   import jax
 
+  from opdjax.analyses import reporting
   from opdjax.models import Model, ModelConfig
   from opdjax.models.fetch import model_dir
   from opdjax.models.hf_io import load_hf_params
@@ -195,7 +196,7 @@ def main():
 
   result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
             "machine": _common.cpu_description(), "command": "PYTHONPATH=. python " + _common.command_line(),
-            "commit": _commit(), "reps": args.reps}
+            "commit": reporting.git_commit(ROOT), "reps": args.reps}
   copy_gbps, shm_gbps = bandwidths()
   work = tempfile.mkdtemp(prefix="opdjax-bench-weights-")
   root = tempfile.mkdtemp(prefix="opdjax-bench-weights-", dir="/dev/shm")
@@ -258,14 +259,6 @@ def main():
     with open(args.out, "w") as f:
       json.dump(result, f, indent=1)
   print(json.dumps(result))
-
-
-def _commit() -> str:
-  import subprocess
-
-  run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-  dirty = run("status", "--porcelain", "--untracked-files=no")
-  return run("rev-parse", "--short", "HEAD") + (" (tracked files modified)" if dirty else "")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -66,8 +65,7 @@ def main(argv=None) -> int:
   result = {"views": [str(v) for v in views], "algos": algos, "steps": args.steps, "seeds": args.seeds,
             "grpo": cfg.to_dict()["grpo"], "optim": cfg.to_dict()["optim"], "rows": rows, "runs": runs,
             "compiled": runner.compiled_counts(), "wall_s": round(time.time() - t0, 1),
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                     cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None,
+            "commit": reporting.git_commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
             "load_average": {"start": round(load0, 1), "end": round(os.getloadavg()[0], 1)},
             "argv": list(sys.argv[1:] if argv is None else argv),
             "stability_rule": ("collapse: final held-out accuracy < 0.5 x its best (best > 0.1) or a non-finite"
@@ -81,8 +79,8 @@ def main(argv=None) -> int:
 
 
 def plot(result: dict, path: str, metric: str = "accuracy") -> str:
-  """One panel a view: `metric` against the step, OPD blue and GRPO red, one line a seed (a run's records that
-  carry the metric: accuracy at the evaluations, grad_norm at every step)."""
+  """One panel a view: `metric` against the step, OPD blue and GRPO red, one line a seed (each of the run's
+  records that carries the metric)."""
   colors = {"opd": "tab:blue", "grpo": "tab:red"}
   views, runs = result["views"], result["runs"]
   fig, axes = reporting.figure(1, len(views), figsize=(3.6 * len(views), 3.2), squeeze=False, sharey=True)

@@ -27,7 +27,6 @@ import datetime
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -296,14 +295,6 @@ def check_inputs(args) -> None:
   check_out_dir(args.out, "reproduce", args.overwrite, own=own)
 
 
-def _commit() -> str:
-  try:
-    return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-
-
 def run(args) -> dict:
   from opdjax.analyses import reporting
 
@@ -329,7 +320,7 @@ def run(args) -> dict:
             "config": os.path.relpath(CONFIGS[args.task], ROOT) if CONFIGS[args.task] else "the demo's (default)",
             "command": " ".join(["python", "scripts/reproduce.py", *(sys.argv[1:] if args.argv is None
                                                                     else args.argv)]),
-            "commit": _commit(), "verdicts": list(VERDICTS)}
+            "commit": reporting.git_commit(ROOT), "verdicts": list(VERDICTS)}
 
   def write():  # after every stage: a run stopped early says how far it got
     result["wall_s"] = round(time.time() - t0, 1)

@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import subprocess
 from collections.abc import Sequence
 
 
@@ -32,6 +33,19 @@ def _plain(x):
 
 def write_json(path: str, obj) -> str:
   return _atomic_write(path, (json.dumps(obj, indent=2, default=_plain) + "\n").encode())
+
+
+def git_commit(root: str) -> str:
+  """The commit a result is measured at, for its record: the short hash of `root`'s checkout, with
+  " (tracked files modified)" when the worktree differs from it; "unknown" outside a git checkout."""
+  def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=True).stdout.strip()
+
+  try:
+    head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return head + (" (tracked files modified)" if dirty else "")
 
 
 def record_digest(obj: dict) -> str:
