@@ -569,7 +569,7 @@ def calibrate_caveats(r: dict) -> str:
   from opdjax.analyses import admission  # imported where the view needs it: it imports jax
 
   b = r["result"]["budget"]
-  said = admission.caveats(b["points"], b["fit"], b["start"], b["fit"]["tolerance_sigmas"])
+  said = admission.caveats(b["points"], b["fit"], b["start"])
   none = "none (a failing view brackets the budget, and the tolerance is under half the gain)"
   return "; ".join(said) if said else none
 
@@ -703,10 +703,11 @@ def opd_grpo_table(r: dict) -> str:
 
 
 def opd_grpo_tis(r: dict) -> str:
-  t = r["result"]["tis"]
-  rows = [[v, _og_cells(_og_runs(t, "grpo", v), "final_accuracy"), _og_cells(_og_runs(t, "grpo", v), "grad_norm_spikes",
-                                                                          "{}"), _og_collapsed(_og_runs(t, "grpo", v))]
-          for v in t["views"]]
+  t, rows = r["result"]["tis"], []
+  for view in t["views"]:
+    grpo = _og_runs(t, "grpo", view)
+    rows.append([view, _og_cells(grpo, "final_accuracy"), _og_cells(grpo, "grad_norm_spikes", "{}"),
+                 _og_collapsed(grpo)])
   return markdown_table(["view", "GRPO+TIS final accuracy", "spikes", "collapsed"], rows)
 
 

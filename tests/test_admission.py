@@ -88,7 +88,7 @@ def test_caveats_say_when_the_budget_is_a_lower_bound_and_the_tolerance_too_wide
   wide = [_point("clean", 0.0, [0.05, 0.75, 1.9], [0.9, 0.5, 0.2]), _point("noise", 3.3, [0.5, 0.4, 0.7],
                                                                          [0.6, 0.5, 0.4])]
   fit = admission.fit_budget(wide, seeds=3, tolerance_sigmas=2.0, tolerance_rel=0.05)
-  got = admission.caveats(wide, fit, start, 2.0)
+  got = admission.caveats(wide, fit, start)
   assert got[0] == "no view failed: the budget 3.3 is the largest mismatch tried, a lower bound"
   assert len(got) == 2 and got[1].startswith("the accuracy tolerance") and "(now 3)" in got[1]  # gain 0.5
   n = int(got[1].split("about ")[1].split(" seeds")[0])
@@ -99,7 +99,7 @@ def test_caveats_say_when_the_budget_is_a_lower_bound_and_the_tolerance_too_wide
                                                                                [0.98, 0.98, 0.97]),
            _point("b", 1.0, [2.0, 2.5, 3.0], [0.5, 0.4, 0.3])]
   fit = admission.fit_budget(tight, seeds=3, tolerance_sigmas=2.0, tolerance_rel=0.05)
-  assert fit["smallest_failing_mismatch"] == 1.0 and admission.caveats(tight, fit, start, 2.0) == []
+  assert fit["smallest_failing_mismatch"] == 1.0 and admission.caveats(tight, fit, start) == []
 
 
 def test_calibrate_then_admit_end_to_end(demo_cache, tmp_path, capsys, script):

@@ -31,7 +31,7 @@ import numpy as np
 from opdjax.analyses import reporting
 from opdjax.analyses.mismatch import Measurer, parse_views, warmup_history
 from opdjax.analyses.sweep import final_quality, sweep_config, train_run
-from opdjax.analyses.verdicts import QUALITY, clean_gain
+from opdjax.analyses.verdicts import QUALITY, clean_gain, seeds_needed
 from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
 from opdjax.models.quant import QuantFormat
@@ -121,7 +121,7 @@ def untrusted(points: list[dict], fit: dict, start: dict) -> str:
   return ""
 
 
-def caveats(points: list[dict], fit: dict, start: dict, sigmas: float) -> list[str]:
+def caveats(points: list[dict], fit: dict, start: dict) -> list[str]:
   """What the budget cannot say, in the study's terms (opdjax.analyses.verdicts, claim 1): no failing view
   makes it a lower bound (the largest mismatch tried), and a tolerance above half the clean runs' gain lets
   a view undo half of what OPD learned and still pass (with the seeds that would bring it under)."""
@@ -132,9 +132,7 @@ def caveats(points: list[dict], fit: dict, start: dict, sigmas: float) -> list[s
   for m in fit["metrics"]:
     gain = clean_gain(clean, start, m)
     if 0 < gain < 2 * fit["tolerance"][m]:
-      from opdjax.analyses.verdicts import seeds_needed  # the study's power rule (scipy: imported here only)
-
-      n = seeds_needed(float(np.std(clean[m], ddof=1)), gain, sigmas)
+      n = seeds_needed(fit["clean_std"][m], gain, fit["tolerance_sigmas"])  # the study's power rule
       out.append(f"the {m} tolerance {fit['tolerance'][m]:.4g} is over half the clean runs' gain {gain:.4g}: a view"
                  f" could undo half of what OPD learned and pass; about {n} seeds a view (now {len(clean[m])}) or"
                  " longer runs would bring it under")
@@ -216,7 +214,7 @@ def calibrate(cfg: Config, out_dir: str, progress: bool = True, extend=None, max
       "extension": {"max_runs": max_runs, "runs": len(points) * seeds, "added": added},
       "power": {"pilot_seeds": c.seeds, "seeds": seeds, "rounds": rounds},
       "warning": why or None,
-      "caveats": caveats(points, fit, start, c.tolerance_sigmas),
+      "caveats": caveats(points, fit, start),
       "student_fingerprint": params_fingerprint(session.student_params),
       "config": cfg.to_dict(),
       "provenance": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
