@@ -712,9 +712,10 @@ def opd_grpo_tis(r: dict) -> str:
 
 
 def opd_grpo_wall(r: dict) -> str:
-  m, t = r["result"]["main"], r["result"]["tis"]
-  return (f"{(m['wall_s'] + t['wall_s']) / 60:.0f} minutes for both runs (load average {m['load_average']['start']}"
-          f" at the start, {t['load_average']['end']} at the end)")
+  res = r["result"]
+  la = res["load_average"]  # the two runs' (collect_opd_grpo)
+  return (f"{(res['main']['wall_s'] + res['tis']['wall_s']) / 60:.0f} minutes for both runs (load average"
+          f" {la['start']} at the start, {la['end']} at the end)")
 
 
 def opd_grpo_counts(r: dict) -> str:
