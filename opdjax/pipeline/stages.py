@@ -69,7 +69,7 @@ class Sampler:
   def __init__(self, session: Session, view: EngineView, seed: int, group: int = 1,
                prepare: Callable | None = None, timed: bool = False):
     self.session, self.seed, self.group, self.timed = session, seed, group, timed
-    self.prepare = prepare or (lambda rollout, refs: (rollout, dict))
+    self.prepare = prepare or (lambda rollout, refs, step: (rollout, dict))
     check_group(session.cfg.rollout.batch_size, group)
     self.history = None
     self._set_view(view)
@@ -96,7 +96,7 @@ class Sampler:
     clock.lap("time_weight_sync_s", engine_params)
     rollout = self.engine.generate(prompts, s.sampling, seed=seeds.derive(self.seed, step, "sample"))
     clock.lap("time_generate_s", rollout)
-    inputs, score = self.prepare(rollout, refs)
+    inputs, score = self.prepare(rollout, refs, step)
     clock.lap("time_prepare_s", inputs)
     return Sample(rollout, refs, inputs, score, clock.laps, sync_record(update.stats))
 
@@ -158,16 +158,18 @@ class OpdObjective:
     self.session, self.step_fn = session, session.train_step("opd")
     self.engine_scored = session.cfg.rollout.teacher_scoring == "engine"
     self.served = session.cfg.teacher.serve == "vllm"
-    self.check_every, self.scored = session.cfg.teacher.check_every, 0
+    self.check_every = session.cfg.teacher.check_every
 
-  def prepare(self, rollout: Rollout, refs):
+  def prepare(self, rollout: Rollout, refs, step: int):
+    """Step `step`'s (0-based) inputs; a served teacher's check on the steps whose record number (step + 1)
+    teacher.check_every divides: the same steps in a resumed run, and none shifted by rollouts the guard
+    drops."""
     batch, check = rescore_batch(rollout), {}
     if self.served:
       answer = self.session.score_teacher(rollout, refs)
       if self.session.routes:
         check.update(route_metrics(self.session.task.tags(refs), answer["teacher_logprobs"], batch["loss_mask"]))
-      self.scored += 1
-      if self.check_every and self.scored % self.check_every == 0:  # teacher.check_every: the served teacher's own
+      if self.check_every and (step + 1) % self.check_every == 0:  # teacher.check_every: the served teacher's own
         check.update(self.session.check_teacher(batch, answer))
       batch = {**batch, **answer}
     if self.engine_scored:
@@ -200,7 +202,7 @@ class GrpoObjective:
                       " teacher.serve='trainer' for the GRPO objective.")
     self.grpo, self.session, self.step_fn = grpo, session, session.train_step("grpo")
 
-  def prepare(self, rollout: Rollout, refs):
+  def prepare(self, rollout: Rollout, refs, step: int):
     g = self.session.cfg.grpo
     r = self.grpo.verifier_rewards(self.session.task, refs, rollout.completions())
     adv = self.grpo.group_advantages(jnp.asarray(r), g.group_size, g.normalize_std)

@@ -7,6 +7,8 @@ runs start in seconds and the folders load in transformers too.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -92,10 +94,20 @@ def cached_sft_model(role: str, mc: ml_collections.ConfigDict, task: AdditionTas
   key = json.dumps(key, sort_keys=True)
   path = os.path.join(cache_root(), "demo", f"{role}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
   if not os.path.exists(os.path.join(path, "config.json")):
-    params = sft(Model(cfg), task, mc.sft_steps, mc.sft_batch, mc.sft_lr, seed,
-                 progress=f"building demo {role} (cached for later runs)")
-    try:
-      save_hf_params(params, cfg, path)
-    except FileExistsError:  # another process finished first; use its copy
-      pass
+    with _one_builder(path):
+      if not os.path.exists(os.path.join(path, "config.json")):  # or the process we waited for built it
+        params = sft(Model(cfg), task, mc.sft_steps, mc.sft_batch, mc.sft_lr, seed,
+                     progress=f"building demo {role} (cached for later runs)")
+        save_hf_params(params, cfg, path)
   return Model(cfg), load_hf_params(path, cfg), path
+
+
+@contextlib.contextmanager
+def _one_builder(path: str):
+  """An exclusive lock on PATH.lock: processes that find a demo model missing at once (the processes of
+  a multi-process run, jobs started together on a fresh cache, test workers) build it once. The others
+  wait, then load the first one's copy. The kernel drops the lock of a process that dies."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".lock", "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    yield
