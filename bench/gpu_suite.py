@@ -233,14 +233,14 @@ PARTS = {"opd_jax": part_opd_jax, "opd_torch": part_opd_torch, "engine": part_en
 
 # --- the report ----------------------------------------------------------------------------------
 
-def empty_report(dry: bool, remat: str, smoke: bool = False) -> dict:
+def empty_report(dry: bool, remat: str, smoke: bool = False, budget: float | None = None) -> dict:
   """Every field the suite reports; measurements stay None until a part fills them (always in a dry run)."""
   gen = lambda: {"new_tokens_per_s": None, "call_s": None, "first_call_s": None}
   return {
       "suite": "opdjax bench/gpu_suite.py", "dry_run": dry, "smoke": smoke, "date": None, "machine": None,
       "command": None,
       "versions": {"jax": None, "torch": None, "transformers": None}, "device": None, "backend": None,
-      "wall_s": None, "budget_s": DRY_BUDGET_S if dry else BUDGET_S,
+      "wall_s": None, "budget_s": budget or (DRY_BUDGET_S if dry else BUDGET_S),
       "opd_step": {
           "shapes": opd_step.shapes_line(OPD),
           "opdjax": {"tokens_per_s": None, "step_ms": None, "peak_gib": None, "compile_s": None,
@@ -358,7 +358,8 @@ def fill_report(rep: dict, results: dict) -> dict:
   return rep
 
 
-def markdown(rep: dict) -> str:
+def markdown(rep: dict, title: bool = True) -> str:
+  """The section for BENCHMARKS.md (scripts/docs.py renders a recorded run's with `title=False`)."""
   def f(x, fmt="{:,.0f}"):
     return "n/a" if x is None else fmt.format(x)
 
@@ -392,9 +393,9 @@ def markdown(rep: dict) -> str:
   trace = ", ".join(f"{k} {f(v, '{:.1f}')} s" for k, v in rep["trace_s"].items())
   failed = [f"{k}: {v['status']}" + (f" ({v['error']})" if v["error"] else "") for k, v in rep["parts"].items()
             if v["status"] != "ok"]
-  title = ("GPU suite (dry run: traces only)" if rep["dry_run"] else
+  heading = ("GPU suite (dry run: traces only)" if rep["dry_run"] else
            "GPU suite (smoke run: tiny CPU shapes)" if rep["smoke"] else f"GPU suite ({rep['device']})")
-  lines = [f"## {title}", "", f"- Date: {rep['date']}", f"- Machine: {rep['machine']}",
+  lines = ([f"## {heading}", ""] if title else []) + [f"- Date: {rep['date']}", f"- Machine: {rep['machine']}",
            f"- Command: `{rep['command']}`",
            f"- Versions: jax {rep['versions']['jax']}, torch {rep['versions']['torch']}, transformers"
            f" {rep['versions']['transformers']}; backend {rep['backend']};"
@@ -454,6 +455,9 @@ def main() -> int:
   ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ", ".join(PARTS))
   ap.add_argument("--machine", help="machine description for the report (default: device and CPU)")
   ap.add_argument("--smoke", action="store_true", help="measure tiny CPU shapes: a check of the suite itself")
+  ap.add_argument("--budget", type=float, metavar="S",
+                  help=f"the whole suite's time limit in seconds (default {BUDGET_S}; dry run {DRY_BUDGET_S}): "
+                       "leave the device call's own limit some seconds to write the report")
   ap.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
   opts = ap.parse_args()
   if opts.smoke:
@@ -464,8 +468,8 @@ def main() -> int:
 
   dry = opts.dry_run
   start = time.perf_counter()
-  budget = DRY_BUDGET_S if dry else BUDGET_S
-  rep = empty_report(dry, opts.remat, opts.smoke)
+  budget = opts.budget or (DRY_BUDGET_S if dry else BUDGET_S)
+  rep = empty_report(dry, opts.remat, opts.smoke, budget)
   rep["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   rep["command"] = "bash bench/gpu_suite.sh " + " ".join(sys.argv[1:])
   results = {}

@@ -142,8 +142,9 @@ def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
     if "load_average" in result:
       la = result["load_average"]
       load = f"load average {la['start']} at start, {la['end']} at end, on {os.cpu_count()} cores (recorded by the run)"
+  elsewhere = from_dir and isinstance(result, dict) and isinstance(result.get("machine"), str)  # e.g. the lent GPU
   r = {"command": [c.replace("{out}", "DIR") for c in fig.commands], "commit": commit, "worktree": worktree,
-       "machine": machine(), "date": date, "measured": "fresh run",
+       "machine": result["machine"] if elsewhere else machine(), "date": date, "measured": "fresh run",
        "load": load,
        **({"note": fig.note} if fig.note else {}), "wall_s": None if from_dir else round(time.time() - t0, 1),
        "result": result}

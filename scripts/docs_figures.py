@@ -541,6 +541,48 @@ def _splits(r: dict) -> dict:
   return {s["rollout_devices"]: s for s in r["result"]["splits"]}
 
 
+# ---------------------------------------------------------------- BENCHMARKS.md: the GPU suite on a lent H200
+def gpu_suite_section(r: dict) -> str:
+  """bench/gpu_suite.py's own section (its lines and target table), from the JSON the run wrote."""
+  import sys  # bench/ is no package: its modules import each other by name
+
+  bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+  sys.path.insert(0, bench)
+  try:
+    import gpu_suite
+  finally:
+    sys.path.remove(bench)
+  return gpu_suite.markdown(r["result"], title=False).strip("\n")
+
+
+HBM_COPY_TB_S = 4.3  # an H200's device-to-device copy as measured on the lent machines (the device tool's KINDS.md)
+
+
+def gpu_decode_floor(r: dict) -> str:
+  """The engine's decode step against the bytes it must read each step (every weight once, the KV cache it
+  holds), at the copy bandwidth measured on the lent H200: how far the step is from memory-bound."""
+  x = r["result"]
+  num = lambda key, text: int(re.search(rf"{key} (\d+)", text).group(1))
+  sh = x["rollout"]["shapes"]
+  hidden, inter, vocab = num("hidden", sh), num("intermediate", sh), num("vocab", sh)
+  layers = int(re.search(r"(\d+) layers", sh).group(1))
+  heads, kv = (int(v) for v in re.search(r"(\d+) heads / (\d+) kv heads", sh).groups())
+  hd, batch, prompt = num("head_dim", sh), num("batch", sh), num("prompt", sh)
+  new = int(re.search(r"(\d+) new tokens", sh).group(1))
+  params = vocab * hidden + layers * (2 * hidden * heads * hd + 2 * hidden * kv * hd + 3 * hidden * inter)
+  kv_slot = layers * 2 * kv * hd * 2  # bf16 K and V of one position, every layer
+  weights_gb, kv_gb = 2 * params / 1e9, batch * (prompt + new / 2) * kv_slot / 1e9  # the cache's mean fill
+  floor_ms = (weights_gb + kv_gb) / HBM_COPY_TB_S
+  step_ms = 1e3 * x["rollout"]["opdjax"]["call_s"] / new
+  fp8_saving = weights_gb / 2 / HBM_COPY_TB_S
+  return (f"{step_ms:.2f} ms a decode step (a call over its {new} new tokens, prefill included), against a"
+          f" memory floor of {floor_ms:.2f} ms: {weights_gb:.2f} GB of bf16 weights ({params / 1e6:.0f}M parameters)"
+          f" and on average {kv_gb:.2f} GB of KV cache ({batch} rows, {prompt} + {new}/2 positions) read once at"
+          f" {HBM_COPY_TB_S} TB/s, {step_ms / floor_ms:.1f}x off it. FP8 weights save at most {fp8_saving:.2f} ms of"
+          f" that step ({fp8_saving / step_ms:.0%}); the measured W8A8 engine ran at"
+          f" {x['engine_decode']['fp8_w8a8_speedup']:.2f}x bf16")
+
+
 # ---------------------------------------------------------------- docs/admission.md: one validate_admission run
 def collect_admission(out: str) -> dict:
   """scripts/validate_admission.py's three files: the calibration's budget (its points with every seed), the
@@ -1425,6 +1467,10 @@ FIGURES: dict[str, Figure] = {
     "smollm2_vllm_sidecar_2907d08": _recorded("opdjax train --config configs/smollm2_opd.py --out DIR"
                                               " --config.rollout.engine=vllm --config.train.steps=6", lines=("bench",)),
     "gpu_suite_dry_run": _recorded("bash bench/gpu_suite.sh --dry-run", lines=("dry_run", "flops")),
+    "gpu_suite": Figure(("bash bench/gpu_suite.sh --budget 540",), _read_json("gpu_suite.json"),
+                        {"section": gpu_suite_section, "decode_floor": gpu_decode_floor},
+                        note="run on the lent H200 through the session's device tool (PYTHON=python3, the image's"
+                             " CUDA jax and torch); the folder it wrote read with --refresh gpu_suite --from"),
     "prefix_shift_first_wave": _recorded("opdjax prefix-shift --out DIR --config.prefix_shift.seed=S", "table",
                                          lines=("setup", "shared", "divergence", "interpretation", "rounding")),
     "mismatch_training": Figure(("opdjax train --config configs/demo.py --out DIR --config.train.steps=300"
