@@ -544,15 +544,7 @@ def _splits(r: dict) -> dict:
 # ---------------------------------------------------------------- BENCHMARKS.md: the GPU suite on a lent H200
 def gpu_suite_section(r: dict) -> str:
   """bench/gpu_suite.py's own section (its lines and target table), from the JSON the run wrote."""
-  import sys  # bench/ is no package: its modules import each other by name
-
-  bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-  sys.path.insert(0, bench)
-  try:
-    import gpu_suite
-  finally:
-    sys.path.remove(bench)
-  return gpu_suite.markdown(r["result"], title=False).strip("\n")
+  return _bench_module("gpu_suite").markdown(r["result"], title=False).strip("\n")
 
 
 HBM_COPY_TB_S = 4.3  # an H200's device-to-device copy as measured on the lent machines (the device tool's KINDS.md)
@@ -581,6 +573,49 @@ def gpu_decode_floor(r: dict) -> str:
           f" {HBM_COPY_TB_S} TB/s, {step_ms / floor_ms:.1f}x off it. FP8 weights save at most {fp8_saving:.2f} ms of"
           f" that step ({fp8_saving / step_ms:.0%}); the measured W8A8 engine ran at"
           f" {x['engine_decode']['fp8_w8a8_speedup']:.2f}x bf16")
+
+
+def _bench_module(name: str):
+  """A module of bench/ (no package: its modules import each other by name)."""
+  import importlib
+  import sys
+
+  bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+  sys.path.insert(0, bench)
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path.remove(bench)
+
+
+def collect_decode_profile(out: str) -> dict:
+  """bench/decode_profile.py's JSON, its trace's kernels summed again from the trace it wrote (a run before the
+  bench summed them by kind has its kinds too)."""
+  rep = json.load(open(os.path.join(out, "decode_profile.json")))
+  trace = os.path.join(out, "decode_profile_trace.json.gz")
+  if os.path.isfile(trace):
+    ops = _bench_module("decode_profile").device_ops(trace)
+    ops.pop("file", None)
+    rep["profile"].update(ops)
+  return rep
+
+
+def decode_profile_table(r: dict) -> str:
+  rows = [[str(w["batch"]), f"{w['sampled']['decode_step_ms']:.2f}", f"{w['greedy']['decode_step_ms']:.2f}",
+           f"{w['floor_ms']:.2f}", f"{w['sampled']['x_floor']:.1f}x", f"{w['new_tokens_per_s']:,}"]
+          for w in r["result"]["rows"]]
+  head = ["batch", "decode step, sampled (ms)", "greedy (ms)", "memory floor (ms)", "step / floor",
+          "new tokens/s (sampled call)"]
+  return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(x) + " |"
+                                                                                for x in rows])
+
+
+def decode_profile_kernels(r: dict) -> str:
+  p = r["result"]["profile"]
+  total, steps = p["total_ms"], p["new_tokens"] + 1  # the prefill's last position counts as a step here
+  share = ", ".join(f"{g} {ms / total:.0%}" for g, ms in p["groups_ms"].items())
+  return (f"{total:.1f} ms of GPU kernels for a call of {p['new_tokens']} new tokens at batch {p['batch']}"
+          f" ({p['kernels']:,} kernels, about {p['kernels'] / steps:.0f} a step): {share}")
 
 
 # ---------------------------------------------------------------- docs/admission.md: one validate_admission run
@@ -1467,6 +1502,10 @@ FIGURES: dict[str, Figure] = {
     "smollm2_vllm_sidecar_2907d08": _recorded("opdjax train --config configs/smollm2_opd.py --out DIR"
                                               " --config.rollout.engine=vllm --config.train.steps=6", lines=("bench",)),
     "gpu_suite_dry_run": _recorded("bash bench/gpu_suite.sh --dry-run", lines=("dry_run", "flops")),
+    "decode_profile": Figure(("PYTHONPATH=. python bench/decode_profile.py --mode gpu",), collect_decode_profile,
+                             {"table": decode_profile_table, "kernels": decode_profile_kernels},
+                             note="run on the lent H200 through the session's device tool (python3, the image's"
+                                  " CUDA jax); the folder it wrote read with --refresh decode_profile --from"),
     "gpu_suite": Figure(("bash bench/gpu_suite.sh --budget 540",), _read_json("gpu_suite.json"),
                         {"section": gpu_suite_section, "decode_floor": gpu_decode_floor},
                         note="run on the lent H200 through the session's device tool (PYTHON=python3, the image's"

@@ -1,0 +1,165 @@
+"""Where a JaxEngine decode step spends its time: the experiment BENCHMARKS.md's GPU suite section
+asks for, after the H200 measured the engine's decode step several times its memory floor.
+
+Three measurements, one process, the rollout bench's shapes (bench/rollout.py MODES):
+- `JaxEngine.generate` at the bench's batch and at 4x and 1/4x it, sampled (temperature 1) and greedy,
+  with `max_new_tokens` N and 1: (call(N) - call(1)) / (N - 1) is the decode step alone, prefill apart.
+  A step time flat in the batch is a fixed per-step cost; one that grows with it is the work.
+- The decode step's bytes at each batch (weights once, the KV cache's mean fill), so each step has its
+  memory floor beside it.
+- A `jax.profiler` trace of one sampled call of 32 new tokens at the bench's batch
+  (`create_perfetto_trace`): device time summed by op name, the top ops printed and kept in the JSON
+  (the trace itself is written to OUT).
+
+    PYTHONPATH=. python bench/decode_profile.py --mode cpu    # the code paths on tiny shapes (~1 min)
+    PYTHONPATH=. python bench/decode_profile.py --mode gpu    # one GPU, CUDA jax: ~2 min
+Writes `$OUT/decode_profile.json` (OUT set) or bench/results/decode_profile.json, and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rollout  # noqa: E402
+
+HBM_COPY_TB_S = 4.3  # an H200's measured device-to-device copy (scripts/docs_figures.py says where from)
+BATCH_FACTORS = (0.25, 1, 4)
+TRACE_NEW = 32  # new tokens of the traced call
+
+
+def step_bytes(spec: dict, batch: int) -> float:
+  """Bytes a decode step must read: every weight once (in the compute dtype) and the KV cache's mean fill."""
+  m, width = spec["model"], 2 if spec["dtype"] == "bfloat16" else 4
+  attn = 2 * m["hidden"] * m["heads"] * m["head_dim"] + 2 * m["hidden"] * m["kv"] * m["head_dim"]
+  params = spec["vocab"] * m["hidden"] + m["layers"] * (attn + 3 * m["hidden"] * m["inter"])
+  kv_slot = m["layers"] * 2 * m["kv"] * m["head_dim"] * width
+  return width * params + batch * (spec["prompt"] + spec["new"] / 2) * kv_slot
+
+
+def timed_calls(engine, prompts, sampling, repeats: int) -> float:
+  import jax
+
+  def call(seed):
+    jax.block_until_ready(engine.generate(prompts, sampling, seed=seed).completion_tokens)
+
+  call(0)  # compile
+  walls = []
+  for i in range(repeats):
+    t0 = time.perf_counter()
+    call(i + 1)
+    walls.append(time.perf_counter() - t0)
+  return statistics.median(walls)
+
+
+def op_group(name: str) -> str:
+  """An XLA GPU kernel's kind, by its name: copies (memcpy, dynamic-slice and dynamic-update-slice fusions),
+  matmuls (XLA's gemm fusions, cuBLAS / nvjet kernels), attention (cuDNN) or other (elementwise, reductions)."""
+  if name.startswith(("memcpy", "copy")) or "dynamic_slice" in name or "dynamic_update_slice" in name:
+    return "copies"
+  if any(k in name for k in ("gemm", "nvjet", "cublas", "dot")):
+    return "matmuls"
+  return "attention" if "sdpa" in name or "cudnn" in name else "other"
+
+
+def device_ops(trace: str, top: int = 25) -> dict:
+  """A perfetto trace's complete events (the file, or the first perfetto_trace.json.gz under a folder) summed
+  by name and by `op_group`, on the device's tracks (GPU streams) when there are any, else every track."""
+  path = [trace] if os.path.isfile(trace) else glob.glob(os.path.join(trace, "**", "perfetto_trace.json.gz"),
+                                                          recursive=True)
+  if not path:
+    return {"error": f"no perfetto_trace.json.gz under {trace}"}
+  with gzip.open(path[0], "rt") as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  pname = {e["pid"]: e["args"].get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device_pids = {p for p, n in pname.items() if "GPU" in n.upper() and "HOST" not in n.upper()}
+  sums, counts, groups = collections.Counter(), collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and (not device_pids or e.get("pid") in device_pids):
+      sums[e["name"]] += e.get("dur", 0) / 1e3
+      counts[e["name"]] += 1
+      groups[op_group(e["name"])] += e.get("dur", 0) / 1e3
+  return {"tracks": sorted(pname[p] for p in device_pids) or ["every track (no device track found)"],
+          "all_tracks": sorted(set(pname.values())),
+          "total_ms": round(sum(sums.values()), 3), "kernels": sum(counts.values()),
+          "groups_ms": {g: round(ms, 3) for g, ms in groups.most_common()},
+          "ops": [[n, round(ms, 3), counts[n]] for n, ms in sums.most_common(top)], "file": path[0]}
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--mode", choices=sorted(rollout.MODES), default="cpu")
+  ap.add_argument("--repeats", type=int, default=3)
+  args = ap.parse_args()
+  spec = rollout.MODES[args.mode]
+  if args.mode == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jax
+  import jax.numpy as jnp
+
+  from opdjax.models import Model
+  from opdjax.rollout import JaxEngine, SamplingParams
+
+  if args.mode == "gpu" and jax.default_backend() != "gpu":
+    raise SystemExit(f"--mode gpu needs a CUDA jax; jax.default_backend() is {jax.default_backend()!r}.")
+  t_start = time.perf_counter()
+  model = Model(rollout.model_config(spec))
+  params = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(jnp.dtype(spec["dtype"])), model.init(k)))(
+      jax.random.key(0))
+  n = spec["new"]
+  rep = {"bench": "decode_profile", "mode": args.mode, "device": jax.devices()[0].device_kind,
+         "jax": jax.__version__, "shapes": rollout.shapes_line(spec), "rows": []}
+  for factor in BATCH_FACTORS:
+    batch = max(1, int(spec["batch"] * factor))
+    prompts = rollout.make_prompts({**spec, "batch": batch})
+    engine = JaxEngine(model, params, max_len=spec["prompt"] + n, pad_id=0, eos_ids=())
+    row = {"batch": batch}
+    for kind, temp in (("sampled", 1.0), ("greedy", 0.0)):
+      full = timed_calls(engine, prompts, SamplingParams(max_new_tokens=n, temperature=temp), args.repeats)
+      one = timed_calls(engine, prompts, SamplingParams(max_new_tokens=1, temperature=temp), args.repeats)
+      row[kind] = {"call_s": round(full, 4), "prefill_call_s": round(one, 4),
+                   "decode_step_ms": round(1e3 * (full - one) / (n - 1), 3)}
+    floor_ms = 1e3 * step_bytes(spec, batch) / (HBM_COPY_TB_S * 1e12)
+    row["floor_ms"] = round(floor_ms, 3)
+    row["sampled"]["x_floor"] = round(row["sampled"]["decode_step_ms"] / floor_ms, 2)
+    row["new_tokens_per_s"] = round(batch * n / row["sampled"]["call_s"])
+    rep["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    del engine
+
+  out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+  os.makedirs(out_dir, exist_ok=True)
+  prompts = rollout.make_prompts(spec)
+  engine = JaxEngine(model, params, max_len=spec["prompt"] + n, pad_id=0, eos_ids=())
+  sampling = SamplingParams(max_new_tokens=TRACE_NEW, temperature=1.0)  # a short call: a small trace
+  timed_calls(engine, prompts, sampling, 1)
+  trace_dir = tempfile.mkdtemp(prefix="decode-profile-")
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    jax.block_until_ready(engine.generate(prompts, sampling, seed=7).completion_tokens)
+  prof = device_ops(trace_dir)
+  if "file" in prof:
+    shutil.copy(prof.pop("file"), os.path.join(out_dir, "decode_profile_trace.json.gz"))
+  rep["profile"] = {"batch": spec["batch"], "new_tokens": TRACE_NEW, **prof}
+  rep["wall_s"] = round(time.perf_counter() - t_start, 1)
+  with open(os.path.join(out_dir, "decode_profile.json"), "w") as f:
+    json.dump(rep, f, indent=1)
+  for name, ms, count in prof.get("ops", []):
+    print(f"{ms:10.3f} ms {count:7d}x  {name[:110]}")
+  print(json.dumps(rep))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
