@@ -128,3 +128,27 @@ def test_gpu_suite_keeps_a_persistent_compilation_cache(tmp_path):
   env.update(PYTHON=str(tmp_path / "python"), OUT=str(tmp_path / "out"))
   proc = subprocess.run(["bash", "bench/gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
   assert proc.stdout.strip() == f"cache={tmp_path / 'out' / 'jax-cache'} min=0", proc.stdout + proc.stderr
+
+
+def test_decode_profile_sums_the_device_kernels_by_kind(tmp_path):
+  """bench/decode_profile.py reads a jax.profiler perfetto trace: only the GPU's tracks count (the host's
+  Python and runtime events are not device time), and each kernel is summed under its kind."""
+  import gzip
+
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  import decode_profile
+
+  meta = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
+          for p, n in ((1, "/device:GPU:0"), (2, "/host:CPU"))]
+  kernels = [("memcpy128", 10), ("loop_dynamic_slice_fusion", 20), ("gemm_fusion_dot_24", 30),
+             ("nvjet_sm90_tst_128x160", 5), ("cudnn_generated_fort_native_sdpa", 4), ("loop_add_fusion", 1)]
+  events = meta + [{"ph": "X", "pid": 1, "tid": 1, "name": n, "ts": 0, "dur": us} for n, us in kernels]
+  events += [{"ph": "X", "pid": 2, "tid": 1, "name": "ThunkExecutor::Execute", "ts": 0, "dur": 1000}]
+  trace = tmp_path / "perfetto_trace.json.gz"
+  with gzip.open(trace, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  got = decode_profile.device_ops(str(tmp_path))  # a folder: the trace found under it
+  assert got["tracks"] == ["/device:GPU:0"] and got["kernels"] == len(kernels)
+  assert got["total_ms"] == 0.07 and got["ops"][0] == ["gemm_fusion_dot_24", 0.03, 1]
+  assert got["groups_ms"] == {"matmuls": 0.035, "copies": 0.03, "attention": 0.004, "other": 0.001}
+  assert decode_profile.device_ops(str(tmp_path / "nothing"))["error"].startswith("no perfetto_trace.json.gz")
