@@ -1505,11 +1505,14 @@ FIGURES: dict[str, Figure] = {
     "decode_profile": Figure(("PYTHONPATH=. python bench/decode_profile.py --mode gpu",), collect_decode_profile,
                              {"table": decode_profile_table, "kernels": decode_profile_kernels},
                              note="run on the lent H200 through the session's device tool (python3, the image's"
-                                  " CUDA jax); the folder it wrote read with --refresh decode_profile --from"),
+                                  " CUDA jax), from commit d2e29b2's tree with bench/decode_profile.py added (its"
+                                  " measuring code as committed in 3d479b9); the folder it wrote read with --refresh"
+                                  " decode_profile --from at the commit below, which sums the trace's kernels"),
     "gpu_suite": Figure(("bash bench/gpu_suite.sh --budget 540",), _read_json("gpu_suite.json"),
                         {"section": gpu_suite_section, "decode_floor": gpu_decode_floor},
                         note="run on the lent H200 through the session's device tool (PYTHON=python3, the image's"
-                             " CUDA jax and torch); the folder it wrote read with --refresh gpu_suite --from"),
+                             " CUDA jax and torch), from commit bd689b6's tree with the --budget flag that d2e29b2"
+                             " committed; the folder it wrote read with --refresh gpu_suite --from at the commit below"),
     "prefix_shift_first_wave": _recorded("opdjax prefix-shift --out DIR --config.prefix_shift.seed=S", "table",
                                          lines=("setup", "shared", "divergence", "interpretation", "rounding")),
     "mismatch_training": Figure(("opdjax train --config configs/demo.py --out DIR --config.train.steps=300"
