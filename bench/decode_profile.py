@@ -33,18 +33,35 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rollout  # noqa: E402
 
-HBM_COPY_TB_S = 4.3  # an H200's measured device-to-device copy (scripts/docs_figures.py says where from)
+HBM_COPY_TB_S = 4.3  # an H200's device-to-device copy as measured on the lent machines (the device tool's KINDS.md)
 BATCH_FACTORS = (0.25, 1, 4)
 TRACE_NEW = 32  # new tokens of the traced call
 
 
+def _width(spec: dict) -> int:
+  return 2 if spec["dtype"] == "bfloat16" else 4
+
+
+def param_count(spec: dict) -> int:
+  """A tied-embedding Qwen3-shaped model's parameters (norms left out: they are a rounding error)."""
+  m = spec["model"]
+  attn = 2 * m["hidden"] * m["heads"] * m["head_dim"] + 2 * m["hidden"] * m["kv"] * m["head_dim"]
+  return spec["vocab"] * m["hidden"] + m["layers"] * (attn + 3 * m["hidden"] * m["inter"])
+
+
+def weight_bytes(spec: dict) -> float:
+  return _width(spec) * param_count(spec)
+
+
+def kv_bytes(spec: dict, batch: int) -> float:
+  """The KV cache a decode step must read at its mean fill (the prompt and half the new tokens), every layer."""
+  m = spec["model"]
+  return batch * (spec["prompt"] + spec["new"] / 2) * m["layers"] * 2 * m["kv"] * m["head_dim"] * _width(spec)
+
+
 def step_bytes(spec: dict, batch: int) -> float:
   """Bytes a decode step must read: every weight once (in the compute dtype) and the KV cache's mean fill."""
-  m, width = spec["model"], 2 if spec["dtype"] == "bfloat16" else 4
-  attn = 2 * m["hidden"] * m["heads"] * m["head_dim"] + 2 * m["hidden"] * m["kv"] * m["head_dim"]
-  params = spec["vocab"] * m["hidden"] + m["layers"] * (attn + 3 * m["hidden"] * m["inter"])
-  kv_slot = m["layers"] * 2 * m["kv"] * m["head_dim"] * width
-  return width * params + batch * (spec["prompt"] + spec["new"] / 2) * kv_slot
+  return weight_bytes(spec) + kv_bytes(spec, batch)
 
 
 def timed_calls(engine, prompts, sampling, repeats: int) -> float:

@@ -547,31 +547,27 @@ def gpu_suite_section(r: dict) -> str:
   return _bench_module("gpu_suite").markdown(r["result"], title=False).strip("\n")
 
 
-HBM_COPY_TB_S = 4.3  # an H200's device-to-device copy as measured on the lent machines (the device tool's KINDS.md)
-
-
 def gpu_decode_floor(r: dict) -> str:
-  """The engine's decode step against the bytes it must read each step (every weight once, the KV cache it
-  holds), at the copy bandwidth measured on the lent H200: how far the step is from memory-bound."""
-  x = r["result"]
-  num = lambda key, text: int(re.search(rf"{key} (\d+)", text).group(1))
+  """The engine's decode step against the bytes it must read each step (every weight once, the KV cache's mean
+  fill), at the copy bandwidth measured on the lent H200 (bench/decode_profile.py's floor): how far the step is
+  from memory-bound."""
+  x, dp = r["result"], _bench_module("decode_profile")
   sh = x["rollout"]["shapes"]
-  hidden, inter, vocab = num("hidden", sh), num("intermediate", sh), num("vocab", sh)
-  layers = int(re.search(r"(\d+) layers", sh).group(1))
-  heads, kv = (int(v) for v in re.search(r"(\d+) heads / (\d+) kv heads", sh).groups())
-  hd, batch, prompt = num("head_dim", sh), num("batch", sh), num("prompt", sh)
-  new = int(re.search(r"(\d+) new tokens", sh).group(1))
-  params = vocab * hidden + layers * (2 * hidden * heads * hd + 2 * hidden * kv * hd + 3 * hidden * inter)
-  kv_slot = layers * 2 * kv * hd * 2  # bf16 K and V of one position, every layer
-  weights_gb, kv_gb = 2 * params / 1e9, batch * (prompt + new / 2) * kv_slot / 1e9  # the cache's mean fill
-  floor_ms = (weights_gb + kv_gb) / HBM_COPY_TB_S
-  step_ms = 1e3 * x["rollout"]["opdjax"]["call_s"] / new
-  fp8_saving = weights_gb / 2 / HBM_COPY_TB_S
+  num = lambda pattern: int(re.search(pattern, sh).group(1))
+  spec = {"model": {"hidden": num(r"hidden (\d+)"), "layers": num(r"(\d+) layers"), "heads": num(r"(\d+) heads"),
+                    "kv": num(r"(\d+) kv heads"), "head_dim": num(r"head_dim (\d+)"),
+                    "inter": num(r"intermediate (\d+)")},
+          "vocab": num(r"vocab (\d+)"), "batch": num(r"batch (\d+)"), "prompt": num(r"prompt (\d+)"),
+          "new": num(r"(\d+) new tokens"), "dtype": "bfloat16"}
+  weights_gb, kv_gb = dp.weight_bytes(spec) / 1e9, dp.kv_bytes(spec, spec["batch"]) / 1e9
+  bw, new = dp.HBM_COPY_TB_S, spec["new"]
+  floor_ms, step_ms = (weights_gb + kv_gb) / bw, 1e3 * x["rollout"]["opdjax"]["call_s"] / new
+  fp8_saving = weights_gb / 2 / bw
   return (f"{step_ms:.2f} ms a decode step (a call over its {new} new tokens, prefill included), against a"
-          f" memory floor of {floor_ms:.2f} ms: {weights_gb:.2f} GB of bf16 weights ({params / 1e6:.0f}M parameters)"
-          f" and on average {kv_gb:.2f} GB of KV cache ({batch} rows, {prompt} + {new}/2 positions) read once at"
-          f" {HBM_COPY_TB_S} TB/s, {step_ms / floor_ms:.1f}x off it. FP8 weights save at most {fp8_saving:.2f} ms of"
-          f" that step ({fp8_saving / step_ms:.0%}); the measured W8A8 engine ran at"
+          f" memory floor of {floor_ms:.2f} ms: {weights_gb:.2f} GB of bf16 weights ({dp.param_count(spec) / 1e6:.0f}M"
+          f" parameters) and on average {kv_gb:.2f} GB of KV cache ({spec['batch']} rows, {spec['prompt']} + {new}/2"
+          f" positions) read once at {bw} TB/s, {step_ms / floor_ms:.1f}x off it. FP8 weights save at most"
+          f" {fp8_saving:.2f} ms of that step ({fp8_saving / step_ms:.0%}); the measured W8A8 engine ran at"
           f" {x['engine_decode']['fp8_w8a8_speedup']:.2f}x bf16")
 
 
@@ -1512,7 +1508,8 @@ FIGURES: dict[str, Figure] = {
                         {"section": gpu_suite_section, "decode_floor": gpu_decode_floor},
                         note="run on the lent H200 through the session's device tool (PYTHON=python3, the image's"
                              " CUDA jax and torch), from commit bd689b6's tree with the --budget flag that d2e29b2"
-                             " committed; the folder it wrote read with --refresh gpu_suite --from at the commit below"),
+                             " committed; the folder it wrote read with --refresh gpu_suite --from at the commit"
+                             " below"),
     "prefix_shift_first_wave": _recorded("opdjax prefix-shift --out DIR --config.prefix_shift.seed=S", "table",
                                          lines=("setup", "shared", "divergence", "interpretation", "rounding")),
     "mismatch_training": Figure(("opdjax train --config configs/demo.py --out DIR --config.train.steps=300"
