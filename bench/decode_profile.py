@@ -119,6 +119,11 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--mode", choices=sorted(rollout.MODES), default="cpu")
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--batch-factors", default=",".join(map(str, BATCH_FACTORS)),
+                  help="the batches to time, as multiples of the rollout bench's batch")
+  ap.add_argument("--unroll-layers", action="store_true",
+                  help="the decoder's layers as straight-line code (Model(unroll_layers=True)) instead of one scan:"
+                       " does the per-layer slice of the stacked KV cache go with the scan?")
   args = ap.parse_args()
   spec = rollout.MODES[args.mode]
   if args.mode == "cpu":
@@ -132,13 +137,14 @@ def main() -> int:
   if args.mode == "gpu" and jax.default_backend() != "gpu":
     raise SystemExit(f"--mode gpu needs a CUDA jax; jax.default_backend() is {jax.default_backend()!r}.")
   t_start = time.perf_counter()
-  model = Model(rollout.model_config(spec))
+  model = Model(rollout.model_config(spec), unroll_layers=args.unroll_layers)
   params = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(jnp.dtype(spec["dtype"])), model.init(k)))(
       jax.random.key(0))
   n = spec["new"]
   rep = {"bench": "decode_profile", "mode": args.mode, "device": jax.devices()[0].device_kind,
          "jax": jax.__version__, "shapes": rollout.shapes_line(spec), "rows": []}
-  for factor in BATCH_FACTORS:
+  rep["unroll_layers"] = args.unroll_layers
+  for factor in (float(f) for f in args.batch_factors.split(",")):
     batch = max(1, int(spec["batch"] * factor))
     prompts = rollout.make_prompts({**spec, "batch": batch})
     engine = JaxEngine(model, params, max_len=spec["prompt"] + n, pad_id=0, eos_ids=())

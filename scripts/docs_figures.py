@@ -614,6 +614,26 @@ def decode_profile_kernels(r: dict) -> str:
           f" ({p['kernels']:,} kernels, about {p['kernels'] / steps:.0f} a step): {share}")
 
 
+def collect_decode_layers(out: str) -> dict:
+  """Two bench/decode_profile.py runs of one device call, OUT/scan and OUT/unrolled (`--unroll-layers`)."""
+  return {v: collect_decode_profile(os.path.join(out, v)) for v in ("scan", "unrolled")}
+
+
+def decode_layers_table(r: dict) -> str:
+  head = ["decoder layers", "decode step, sampled (ms)", "greedy (ms)", "step / floor", "kernels a step",
+          "copies (ms)", "matmuls (ms)", "other (ms)", "the run's wall (s)"]
+  rows = []
+  for v, label in (("scan", "one scan (as shipped)"), ("unrolled", "unrolled (`--unroll-layers`)")):
+    x = r["result"][v]
+    w, p = x["rows"][0], x["profile"]
+    g = p["groups_ms"]
+    rows.append([label, f"{w['sampled']['decode_step_ms']:.2f}", f"{w['greedy']['decode_step_ms']:.2f}",
+                 f"{w['sampled']['x_floor']:.1f}x", f"{p['kernels'] / (p['new_tokens'] + 1):.0f}",
+                 f"{g['copies']:.1f}", f"{g['matmuls']:.1f}", f"{g['other']:.1f}", f"{x['wall_s']:.0f}"])
+  return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(x) + " |"
+                                                                                for x in rows])
+
+
 # ---------------------------------------------------------------- docs/admission.md: one validate_admission run
 def collect_admission(out: str) -> dict:
   """scripts/validate_admission.py's three files: the calibration's budget (its points with every seed), the
@@ -1504,6 +1524,13 @@ FIGURES: dict[str, Figure] = {
                                   " CUDA jax), from commit d2e29b2's tree with bench/decode_profile.py added (its"
                                   " measuring code as committed in 3d479b9); the folder it wrote read with --refresh"
                                   " decode_profile --from at the commit below, which sums the trace's kernels"),
+    "decode_profile_layers": Figure(
+        ("PYTHONPATH=. OUT=DIR/scan python bench/decode_profile.py --mode gpu --batch-factors 1",
+         "PYTHONPATH=. OUT=DIR/unrolled python bench/decode_profile.py --mode gpu --batch-factors 1 --unroll-layers"),
+        collect_decode_layers, {"table": decode_layers_table},
+        note="one call on the lent H200 (python3, the image's CUDA jax), from commit 4d3a605's tree with"
+             " --batch-factors and --unroll-layers added; the folder read with --refresh decode_profile_layers --from"
+             " at the commit below, which sums each trace's kernels"),
     "gpu_suite": Figure(("bash bench/gpu_suite.sh --budget 540",), _read_json("gpu_suite.json"),
                         {"section": gpu_suite_section, "decode_floor": gpu_decode_floor},
                         note="run on the lent H200 through the session's device tool (PYTHON=python3, the image's"
