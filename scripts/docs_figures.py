@@ -620,8 +620,10 @@ def collect_decode_layers(out: str) -> dict:
 
 
 def decode_layers_table(r: dict) -> str:
+  traced = r["result"]["scan"]["profile"]["new_tokens"]
   head = ["decoder layers", "decode step, sampled (ms)", "greedy (ms)", "step / floor", "kernels a step",
-          "copies (ms)", "matmuls (ms)", "other (ms)", "the run's wall (s)"]
+          *(f"{k} in the traced call of {traced} tokens (ms)" for k in ("copies", "matmuls", "other")),
+          "the run's wall (s)"]
   rows = []
   for v, label in (("scan", "one scan (as shipped)"), ("unrolled", "unrolled (`--unroll-layers`)")):
     x = r["result"][v]
