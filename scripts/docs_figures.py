@@ -602,8 +602,7 @@ def decode_profile_table(r: dict) -> str:
           for w in r["result"]["rows"]]
   head = ["batch", "decode step, sampled (ms)", "greedy (ms)", "memory floor (ms)", "step / floor",
           "new tokens/s (sampled call)"]
-  return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(x) + " |"
-                                                                                for x in rows])
+  return markdown_table(head, rows)
 
 
 def decode_profile_kernels(r: dict) -> str:
@@ -632,8 +631,7 @@ def decode_layers_table(r: dict) -> str:
     rows.append([label, f"{w['sampled']['decode_step_ms']:.2f}", f"{w['greedy']['decode_step_ms']:.2f}",
                  f"{w['sampled']['x_floor']:.1f}x", f"{p['kernels'] / (p['new_tokens'] + 1):.0f}",
                  f"{g['copies']:.1f}", f"{g['matmuls']:.1f}", f"{g['other']:.1f}", f"{x['wall_s']:.0f}"])
-  return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(x) + " |"
-                                                                                for x in rows])
+  return markdown_table(head, rows)
 
 
 # ---------------------------------------------------------------- docs/admission.md: one validate_admission run
