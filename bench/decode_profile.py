@@ -142,8 +142,7 @@ def main() -> int:
       jax.random.key(0))
   n = spec["new"]
   rep = {"bench": "decode_profile", "mode": args.mode, "device": jax.devices()[0].device_kind,
-         "jax": jax.__version__, "shapes": rollout.shapes_line(spec), "rows": []}
-  rep["unroll_layers"] = args.unroll_layers
+         "jax": jax.__version__, "shapes": rollout.shapes_line(spec), "unroll_layers": args.unroll_layers, "rows": []}
   for factor in (float(f) for f in args.batch_factors.split(",")):
     batch = max(1, int(spec["batch"] * factor))
     prompts = rollout.make_prompts({**spec, "batch": batch})
