@@ -551,14 +551,11 @@ def gpu_decode_floor(r: dict) -> str:
   """The engine's decode step against the bytes it must read each step (every weight once, the KV cache's mean
   fill), at the copy bandwidth measured on the lent H200 (bench/decode_profile.py's floor): how far the step is
   from memory-bound."""
-  x, dp = r["result"], _bench_module("decode_profile")
-  sh = x["rollout"]["shapes"]
-  num = lambda pattern: int(re.search(pattern, sh).group(1))
-  spec = {"model": {"hidden": num(r"hidden (\d+)"), "layers": num(r"(\d+) layers"), "heads": num(r"(\d+) heads"),
-                    "kv": num(r"(\d+) kv heads"), "head_dim": num(r"head_dim (\d+)"),
-                    "inter": num(r"intermediate (\d+)")},
-          "vocab": num(r"vocab (\d+)"), "batch": num(r"batch (\d+)"), "prompt": num(r"prompt (\d+)"),
-          "new": num(r"(\d+) new tokens"), "dtype": "bfloat16"}
+  x, dp, suite = r["result"], _bench_module("decode_profile"), _bench_module("gpu_suite")
+  spec = suite.ROLLOUT  # the engine part's shapes; the run's record must name the same
+  if suite.rollout.shapes_line(spec) != x["rollout"]["shapes"]:
+    raise DocsError("gpu_suite.json's rollout shapes are not bench/gpu_suite.py's ROLLOUT any more: compute its"
+                    f" floor from the shapes it ran ({x['rollout']['shapes']})")
   weights_gb, kv_gb = dp.weight_bytes(spec) / 1e9, dp.kv_bytes(spec, spec["batch"]) / 1e9
   bw, new = dp.HBM_COPY_TB_S, spec["new"]
   floor_ms, step_ms = (weights_gb + kv_gb) / bw, 1e3 * x["rollout"]["opdjax"]["call_s"] / new
@@ -605,12 +602,17 @@ def decode_profile_table(r: dict) -> str:
   return markdown_table(head, rows)
 
 
+def _kernels_a_step(profile: dict) -> float:
+  """The traced call's kernels over its forward passes (the prefill and one a new token)."""
+  return profile["kernels"] / (profile["new_tokens"] + 1)
+
+
 def decode_profile_kernels(r: dict) -> str:
   p = r["result"]["profile"]
-  total, steps = p["total_ms"], p["new_tokens"] + 1  # the prefill's last position counts as a step here
+  total = p["total_ms"]
   share = ", ".join(f"{g} {ms / total:.0%}" for g, ms in p["groups_ms"].items())
   return (f"{total:.1f} ms of GPU kernels for a call of {p['new_tokens']} new tokens at batch {p['batch']}"
-          f" ({p['kernels']:,} kernels, about {p['kernels'] / steps:.0f} a step): {share}")
+          f" ({p['kernels']:,} kernels, about {_kernels_a_step(p):.0f} a step): {share}")
 
 
 def collect_decode_layers(out: str) -> dict:
@@ -629,7 +631,7 @@ def decode_layers_table(r: dict) -> str:
     w, p = x["rows"][0], x["profile"]
     g = p["groups_ms"]
     rows.append([label, f"{w['sampled']['decode_step_ms']:.2f}", f"{w['greedy']['decode_step_ms']:.2f}",
-                 f"{w['sampled']['x_floor']:.1f}x", f"{p['kernels'] / (p['new_tokens'] + 1):.0f}",
+                 f"{w['sampled']['x_floor']:.1f}x", f"{_kernels_a_step(p):.0f}",
                  f"{g['copies']:.1f}", f"{g['matmuls']:.1f}", f"{g['other']:.1f}", f"{x['wall_s']:.0f}"])
   return markdown_table(head, rows)
 
