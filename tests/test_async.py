@@ -113,7 +113,7 @@ timing = tuple(json.loads(sys.argv[1]))
 strip = lambda r: {k: v for k, v in r.items() if not k.startswith(timing)}
 assert [strip(r) for r in loop.records] == [strip(r) for r in lagged], "exact != lag=1"
 assert loop.sampler.device == jax.devices()[1] and loop.sampler.trainer_device == jax.devices()[0]
-assert loop.sampler.engine._params["embed_tokens"]["embedding"].devices() == {jax.devices()[1]}
+assert loop.sampler.engine._params["embed"].devices() == {jax.devices()[1]}
 assert loop.state.params["embed_tokens"]["embedding"].devices() == {jax.devices()[0]}
 print(json.dumps({k: loop.records[-1][k] for k in ("time_generate_s", "time_train_s", "idle_trainer_frac")}))
 print("ok")

@@ -48,14 +48,14 @@ class Sleep(Hook):
 
 bounded = run_loop(s, steps=8, hooks=[Sleep()], async_depth=2, async_mode="bounded", devices="2,3").records
 ids = lambda x: sorted(d.id for d in x.sharding.device_set)
-emb = loop.sampler.engine._params["embed_tokens"]["embedding"]
-kernel = loop.sampler.engine._params["layers"]["mlp"]["up_proj"]["kernel"]
+emb = loop.sampler.engine._params["embed"]
+kernel = loop.sampler.engine._params["layers"][0]["gate_up"]
 print(json.dumps({
     "exact_equal": [strip(r) for r in loop.records] == [strip(r) for r in lagged],
     "n": len(loop.records), "lags": [r["params_lag"] for r in loop.records],
     "fresh_differs": fresh[-1]["loss"] != loop.records[-1]["loss"],
     "engine_params": ids(emb), "engine_kernel_shard": list(kernel.addressable_shards[0].data.shape),
-    "kernel_shape": list(kernel.shape), "engine_cache": ids(loop.sampler.engine._cache["k"]),
+    "kernel_shape": list(kernel.shape), "engine_cache": ids(loop.sampler.engine._cache["layers"][0]["k"]),
     "trainer_params": ids(loop.state.params["embed_tokens"]["embedding"]),
     "engine_mesh": dict(loop.sampler.side.placement.mesh.shape),
     "bounded_steps": [r["step"] for r in bounded], "bounded_lags": [r["params_lag"] for r in bounded],

@@ -1,6 +1,7 @@
-"""The performance paths, checked on CPU: fused attention against the einsum it replaced, decode
-over the filled cache only, real FP8 matmuls (exported for CUDA), no teacher vocab projection
-recomputed in the train step, and export of the default paths for CUDA and TPU."""
+"""The performance paths, checked on CPU: fused attention and the cached decode against the einsum they
+replaced, real FP8 matmuls (exported for CUDA), no teacher vocab projection recomputed in the train
+step, and export of the default paths for CUDA and TPU. The engine's decode step itself (its HLO, the
+fp8 cache, W8A16) is tests/test_decode_engine.py."""
 
 import functools
 import logging
@@ -14,9 +15,9 @@ import pytest
 from jax.extend import core as jcore
 
 from opdjax.errors import UserError
-from opdjax.models import Model, ModelConfig, UnsupportedModelError, attention, quant
+from opdjax.models import Model, ModelConfig, UnsupportedModelError, attention, kv_cache, quant
 from opdjax.rollout import JaxEngine, SamplingParams
-from opdjax.rollout.jax.engine import decode_step
+from opdjax.rollout.jax.engine import decode_step, install_params
 from opdjax.training.loss import LossConfig
 from opdjax.training.step import OptimConfig, TrainState, make_optimizer, train_step
 from opdjax.views import perturb
@@ -53,23 +54,24 @@ def einsum_attention(q_BxTxHxE, keys_BxSxKxE, values_BxSxKxE, mask_BxTxS):
 
 @pytest.fixture
 def einsum_reference(monkeypatch):
-  """Makes the decoder attend with `einsum_attention`, a decode step over the whole cache (today's
-  path before fused attention and decode windows) for the rest of the test."""
+  """Makes the decoder attend with `einsum_attention`, with a cache over the whole cache under the
+  slot mask (the path before fused attention and the per-layer cache) for the rest of the test."""
   def fused(q, k, v, mask_Bx1xTxS, is_causal, impl, training=True):
     mask = mask_Bx1xTxS[:, 0]
     if is_causal:
       mask = mask & jnp.tril(jnp.ones(mask.shape[-2:], bool))
     return einsum_attention(q, k, v, mask)
 
-  def whole_cache(q_BxKxGxE, k_new, v_new, kv, layer, kv_mask_BxS, index, window, dtype):
-    b, k, g, e = q_BxKxGxE.shape
-    keys, values = (kv[n][layer].at[:, index].set(x).astype(dtype) for n, x in (("k", k_new), ("v", v_new)))
-    mask = (jnp.arange(keys.shape[1]) <= index)[None, None, :] & kv_mask_BxS[:, None, :].astype(bool)
-    return einsum_attention(q_BxKxGxE.reshape(b, 1, k * g, e), keys, values, mask).reshape(b, k, g, e)
+  def whole_cache(q_BxTxKxGxE, layer, start_B, index, dtype, cfg):
+    b, t, k, g, e = q_BxTxKxGxE.shape
+    keys, values = (jnp.swapaxes(kv_cache.read(layer, n, dtype, cfg), 1, 2) for n in ("k", "v"))
+    slot = jnp.arange(keys.shape[1])
+    mask = (slot[None, None, :] <= (index + jnp.arange(t))[None, :, None]) & (slot >= start_B[:, None])[:, None, :]
+    return einsum_attention(q_BxTxKxGxE.reshape(b, t, k * g, e), keys, values, mask).reshape(b, t, k, g, e)
 
   def use():
     monkeypatch.setattr(attention, "fused_attention", fused)
-    monkeypatch.setattr(attention, "decode_attention", whole_cache)
+    monkeypatch.setattr(kv_cache, "attention", whole_cache)
 
   return use
 
@@ -95,11 +97,9 @@ def _prefill_then_decode(model, params, tokens, mask, positions, prefill, slots,
 
 
 @pytest.mark.slow
-def test_fused_attention_matches_the_einsum_path(random_params, einsum_reference, monkeypatch):
-  """fp32, GQA, left padding: a full forward and a prefill + decode with a cache (decode windows of
-  4, 8 and 13 slots over a 13-slot cache) equal the einsum over the whole cache."""
-  monkeypatch.setattr(attention, "DECODE_WINDOW", 4)
-  assert attention.decode_windows(13) == (4, 8, 13)
+def test_fused_attention_matches_the_einsum_path(random_params, einsum_reference):
+  """fp32, GQA, left padding: a full forward and a prefill + decode with a 13-slot cache equal the
+  einsum over the whole cache."""
   model = Model(_cfg())
   params = random_params(model, seed=0, std=0.4)
   tokens, mask, positions = _padded(np.random.default_rng(0))
@@ -119,33 +119,6 @@ def test_fused_attention_matches_the_einsum_path(random_params, einsum_reference
   assert np.std(full[real], axis=-1).min() > 0.05
 
 
-def test_decode_windows_double_up_to_the_cache():
-  assert attention.decode_windows(4096) == (512, 1024, 2048, 4096)
-  assert attention.decode_windows(384) == (384,)  # one window: no switch, the step reads the whole cache
-  assert attention.decode_windows(600) == (512, 600)
-
-
-def _switch_windows(model, slots) -> list[set[int]]:
-  """For each branch of the decode step's window switch, the cache-slot extents its attention
-  products read (the S of every [B, S, K, E] operand of a dot)."""
-  b = 2
-  cache = jax.eval_shape(lambda: model.init_cache(b, slots))
-  params = jax.eval_shape(model.init, jax.random.key(0))
-  i = jax.ShapeDtypeStruct((b, 1), jnp.int32)
-  jaxpr = jax.make_jaxpr(model.hidden)(params, i, i, jax.ShapeDtypeStruct((b, slots), bool), cache).jaxpr
-  [switch] = [e for e in _eqns(jaxpr) if e.primitive.name == "cond"]
-  cfg = model.cfg
-  return [{v.aval.shape[1] for e in _eqns(br.jaxpr) if e.primitive.name == "dot_general" for v in e.invars
-           if v.aval.ndim == 4 and v.aval.shape[0] == b and v.aval.shape[2:] == (cfg.num_kv_heads, cfg.head_dim)}
-          for br in switch.params["branches"]]
-
-
-def test_a_decode_step_reads_only_its_window(monkeypatch):
-  """One switch per decode step, outside the layer scan: branch i's attention reads window i's slots."""
-  monkeypatch.setattr(attention, "DECODE_WINDOW", 8)
-  assert _switch_windows(Model(_cfg(num_heads=6)), 40) == [{8}, {16}, {32}, {40}]  # G = 3: q is no [B, S, K, E]
-
-
 @pytest.mark.slow
 def test_engine_recovers_from_a_cache_a_diverged_call_left_nan(random_params):
   """The engine reuses (donates) its cache across calls. After a call that left NaN in every slot,
@@ -156,14 +129,14 @@ def test_engine_recovers_from_a_cache_a_diverged_call_left_nan(random_params):
   prompts, sp = [[5, 9, 3], [7, 1, 4, 4, 2, 8]], SamplingParams(max_new_tokens=8, temperature=1.0)
   engine = JaxEngine(model, params, max_len=24, pad_id=0, eos_ids=())
   engine.generate(prompts, sp, seed=0)
-  engine._cache = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan) if x.ndim == 5 else x, engine._cache)
+  engine._cache = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan) if x.ndim == 4 else x, engine._cache)
   nan_cache = jax.tree.map(lambda x: x.copy(), engine._cache)
   a = engine.generate(prompts, sp, seed=1)
   b = JaxEngine(model, params, max_len=24, pad_id=0, eos_ids=()).generate(prompts, sp, seed=1)
   np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
   np.testing.assert_array_equal(a.rollout_logprobs, b.rollout_logprobs)
   assert np.isfinite(np.asarray(a.rollout_logprobs)).all()
-  kv_mask = jnp.zeros((2, nan_cache["k"].shape[2]), bool).at[:, 0].set(True)
+  kv_mask = jnp.zeros((2, nan_cache["layers"][0]["k"].shape[2]), bool).at[:, 0].set(True)
   one = jnp.ones((2, 1), jnp.int32)
   logits, _ = model.apply(params, one, one * 0, kv_mask, {**nan_cache, "index": jnp.zeros((), jnp.int32)})
   assert np.isnan(np.asarray(logits)).all()
@@ -240,19 +213,14 @@ def test_fp8_dot_is_the_fake_quant_product(gran, transposed):
   x = jnp.asarray(rng.normal(0, 1, (2, 5, 32)), jnp.float32)
   w = jnp.asarray(rng.normal(0, 0.2, (32, 16)) * rng.uniform(0.1, 3, (1, 16)), jnp.float32)
   packed = quant.quantize(w, quant.QuantFormat("fp8_e4m3", gran))
-  if transposed:
-    packed = jax.tree.map(lambda a: a[0], quant.fp8_matmul_layout({"layers": _stack(packed)})["layers"])
+  if transposed:  # [out, in], the layout an FP8 GEMM reads (opdjax.models.decode.prepare)
+    packed = packed.replace(q=packed.q.T, transposed=True)
   got = quant.fp8_dot(x, packed)
   sx = quant.absmax_scale(x, "fp8_e4m3", axis=-1)
   x_fake = quant.round_to_format(x / sx, "fp8_e4m3").astype(jnp.float32) * sx
   want = x_fake @ quant.quantize(w, quant.QuantFormat("fp8_e4m3", gran)).dequantize()
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert float(jnp.max(jnp.abs(got - x @ w))) > 1e-2  # the rounding is really there
-
-
-def _stack(packed: quant.QArray) -> quant.QArray:
-  """One matrix as a stack of one layer (the decoder's layout)."""
-  return quant.QArray(packed.q[None], packed.scale[None], (1, *packed.shape))
 
 
 def _fp8_models():
@@ -270,8 +238,8 @@ def test_fp8_matmul_engine_matches_the_fake_quant_w8a8_engine(random_params):
   sp = SamplingParams(max_new_tokens=8, temperature=0.0)
   prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8]]
   engine = JaxEngine(fp8, packed, max_len=24, pad_id=0, eos_ids=())
-  held = engine._params["layers"]["mlp"]["up_proj"]["kernel"]
-  assert held.transposed and held.q.dtype == jnp.float8_e4m3fn and held.q.shape == (2, 64, 32)  # [L, out, in]
+  held = engine._params["layers"][1]["gate_up"]
+  assert held.transposed and held.q.dtype == jnp.float8_e4m3fn and held.q.shape == (128, 32)  # [out, in]
   a = engine.generate(prompts, sp, seed=0)
   b = JaxEngine(fake_model, fake, max_len=24, pad_id=0, eos_ids=()).generate(prompts, sp, seed=0)
   np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
@@ -284,7 +252,8 @@ def _decode_export_text(model, params, platforms):
   cache = jax.eval_shape(lambda: model.init_cache(2, 16))
   b = jax.ShapeDtypeStruct((2,), jnp.int32)
   fn = jax.jit(functools.partial(decode_step, model=model), donate_argnums=1)
-  exported = jax.export.export(fn, platforms=platforms)(params, cache, b, b, jax.ShapeDtypeStruct((2, 16), bool))
+  prepared = jax.eval_shape(lambda p: install_params(p, model), params)
+  exported = jax.export.export(fn, platforms=platforms)(prepared, cache, b, b, b)
   assert exported.platforms == tuple(platforms)
   return exported.mlir_module()
 
@@ -295,14 +264,14 @@ def _fp8_dots(text: str) -> list[str]:
 
 
 def test_fp8_decode_step_exported_for_cuda_multiplies_fp8(random_params):
-  """The CUDA program of one decode step multiplies fp8 by fp8 in all 7 projections of the layer
-  body, each weight read [out, in] (contracting dims [2] x [1]: no transpose before an FP8 GEMM);
-  the same packed weights without fp8_matmul are dequantized first (no fp8 dot)."""
+  """The CUDA program of one decode step multiplies fp8 by fp8 in all 4 (fused) projections of each of
+  the 2 layers, each weight read [out, in] (contracting dims [2] x [1]: no transpose before an FP8
+  GEMM); the same packed weights without fp8_matmul are W8A16 (bf16 activations: no fp8 x fp8 dot)."""
   fp8, fake_model = _fp8_models()
   packed = jax.eval_shape(lambda: perturb.apply_recipe(fp8.init(jax.random.key(0)), [("*", "fp8_e4m3:channel")],
                                                        pack=True))
-  dots = _fp8_dots(_decode_export_text(fp8, jax.eval_shape(quant.fp8_matmul_layout, packed), ["cuda"]))
-  assert len(dots) == 7, dots
+  dots = _fp8_dots(_decode_export_text(fp8, packed, ["cuda"]))
+  assert len(dots) == 8, dots
   assert all("contracting_dims = [2] x [1]" in d and "xf32>" in d.split("->")[-1] for d in dots), dots
   assert _fp8_dots(_decode_export_text(fake_model, packed, ["cuda"])) == []
 
@@ -399,7 +368,8 @@ def test_default_paths_export_for_cuda_and_tpu(dtype):
   generate = engine._fn(SamplingParams(max_new_tokens=8, temperature=0.7, top_k=5, top_p=0.9))
   p = jax.ShapeDtypeStruct((2, 8), jnp.int32)
   exported = jax.export.export(generate, platforms=platforms)(
-      state.params, jax.eval_shape(lambda: student.init_cache(2, 16)), p, jax.ShapeDtypeStruct((2, 8), bool),
+      jax.eval_shape(lambda x: install_params(x, student), state.params),
+      jax.eval_shape(lambda: student.init_cache(2, 16)), p, jax.ShapeDtypeStruct((2, 8), bool),
       jax.eval_shape(lambda: jax.random.key(0)))
   assert exported.platforms == tuple(platforms)
   texts += [exported.mlir_module(), _decode_export_text(student, state.params, platforms)]

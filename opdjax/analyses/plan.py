@@ -117,7 +117,7 @@ def measure(plan: Plan) -> dict:
   from opdjax.parallel.mesh import check_fits, make_mesh
   from opdjax.parallel.placement import Placement
   from opdjax.rollout.base import SamplingParams
-  from opdjax.rollout.jax.engine import generate_loop
+  from opdjax.rollout.jax.engine import generate_loop, install_params
   from opdjax.training.step import OptimConfig, TrainState, make_optimizer, train_step_shardings
 
   if jax.device_count() != plan.devices:
@@ -143,21 +143,19 @@ def measure(plan: Plan) -> dict:
     out[key] = _train_memory(plan, place, student, None if served else teacher, state, optimizer)
     compile_s[key] = round(time.perf_counter() - t0, 1)
 
-  # The engine holds the student in its compute dtype and a KV cache of the whole sequence.
-  dt = jnp.dtype(plan.dtype)
-  e_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dt if x.dtype == jnp.float32 else x.dtype,
-                                                         sharding=x.sharding), state.params)
+  # The engine holds the student as a decode step multiplies it (per-layer, fused, in the compute
+  # dtype: its install, whose output shardings XLA chooses) and a KV cache of the whole sequence.
+  install = jax.jit(lambda p: install_params(p, student))
+  e_params = _with_shardings(jax.eval_shape(install, state.params),
+                             install.lower(state.params).compile().output_shardings)
   cache = jax.eval_shape(lambda: student.init_cache(plan.batch, plan.seq_len))
-  kv = jax.sharding.NamedSharding(mesh, rules.KV_CACHE)
-  cache = {"index": jax.ShapeDtypeStruct((), jnp.int32, sharding=rules.replicated(mesh)),
-           "k": jax.ShapeDtypeStruct(cache["k"].shape, cache["k"].dtype, sharding=kv),
-           "v": jax.ShapeDtypeStruct(cache["v"].shape, cache["v"].dtype, sharding=kv)}
+  cache = _with_shardings(cache, rules.kv_cache_shardings(cache, mesh))
   rows = rules.rows_sharding(mesh, 2)
   prompt = jax.ShapeDtypeStruct((plan.batch, plan.prompt_len), jnp.int32, sharding=rows)
   prompt_mask = jax.ShapeDtypeStruct((plan.batch, plan.prompt_len), jnp.bool_, sharding=rows)
   sampling = SamplingParams(max_new_tokens=plan.seq_len - plan.prompt_len)
   fn = jax.jit(functools.partial(generate_loop, model=student, sampling=sampling, eos_ids=(), pad_id=0),
-               donate_argnames=("cache",), **place.generate_jit_kw())
+               donate_argnames=("cache",), **place.generate_jit_kw(cache))
   t0 = time.perf_counter()
   rollout = _memory(fn.lower(e_params, cache, prompt, prompt_mask, jax.random.key(0)).compile())
   rollout_s = time.perf_counter() - t0

@@ -1,10 +1,7 @@
-"""Attention: the `Attention` layer, the attention implementation it runs (cuDNN's or XLA's
-`jax.nn.dot_product_attention`, `attention_backend`) and a decode step's read of the cache.
-
-Training, scoring and prefill use `jax.nn.dot_product_attention` (cuDNN's fused kernel on a GPU when
-it takes the dtype and head_dim, XLA's elsewhere: `ModelConfig.attention_impl`); a decode step reads
-only a window of the cache that holds the tokens so far (`decode_windows`, `decode_attention`).
-Shapes as in `opdjax.models.decoder`.
+"""Attention for training and scoring: the `Attention` layer and the implementation it runs (cuDNN's
+or XLA's `jax.nn.dot_product_attention`, `attention_backend`: cuDNN's fused kernel on a GPU when it
+takes the dtype and head_dim, XLA's elsewhere, `ModelConfig.attention_impl`). An engine's prefill and
+decode steps attend over the KV cache in `opdjax.models.kv_cache`. Shapes as in `opdjax.models.decoder`.
 """
 
 from __future__ import annotations
@@ -17,12 +14,6 @@ import jax.numpy as jnp
 
 from opdjax.models.config import ModelConfig
 from opdjax.models.layers import RMSNorm, dense, kv_fake_quant, rope
-
-_NEG_INF = -1e30
-
-# A decode step attends over the first W cache slots, W the smallest window holding the tokens so
-# far: DECODE_WINDOW, doubling up to the cache size (`decode_windows`).
-DECODE_WINDOW = 512
 
 log = logging.getLogger(__name__)
 _noticed: set[str] = set()
@@ -144,59 +135,12 @@ def fused_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_Bx1xTxS, is_causal: bo
                                       implementation="xla")
 
 
-def decode_attention(q_BxKxGxE, k_new_BxKxE, v_new_BxKxE, kv, layer, kv_mask_BxS, index, window: int, dtype):
-  """One new token per row against the cache's first `window` slots, which the step only reads.
-
-  The slots written before this step (`< index`, under the slot mask) and the new token's own key
-  and value (written to slot `index` after the layer scan, outside the window switch, so no branch
-  updates the cache and XLA never copies it) are two blocks of one softmax, merged by their max.
-  Returns `[B, K, G, E]` in `dtype`."""
-  scale = q_BxKxGxE.shape[-1] ** -0.5
-  keys = kv["k"][layer, :, :window].astype(dtype)
-  values = kv["v"][layer, :, :window].astype(dtype)
-  old = kv_mask_BxS[:, :window].astype(bool) & (jnp.arange(window) < index)[None, :]
-  own = jnp.take(kv_mask_BxS, index, axis=1).astype(bool)  # [B]: the new token's slot is unmasked
-  s_old = jnp.einsum("bkge,bske->bkgs", q_BxKxGxE, keys, preferred_element_type=jnp.float32) * scale
-  s_old = jnp.where(old[:, None, None, :], s_old, _NEG_INF)
-  s_own = jnp.einsum("bkge,bke->bkg", q_BxKxGxE, k_new_BxKxE.astype(dtype), preferred_element_type=jnp.float32)
-  s_own = jnp.where(own[:, None, None], s_own * scale, _NEG_INF)
-  m = jnp.maximum(jnp.max(s_old, axis=-1), s_own)
-  # Masked entries get weight 0 explicitly: a row with nothing unmasked has m = _NEG_INF as well.
-  p_old = jnp.where(old[:, None, None, :], jnp.exp(s_old - m[..., None]), 0.0)
-  p_own = jnp.where(own[:, None, None], jnp.exp(s_own - m), 0.0)
-  norm = jnp.sum(p_old, axis=-1) + p_own
-  out = (jnp.einsum("bkgs,bske->bkge", p_old.astype(dtype), values, preferred_element_type=jnp.float32)
-         + p_own[..., None] * v_new_BxKxE.astype(jnp.float32)[:, :, None, :])
-  return (out / jnp.where(norm > 0, norm, 1.0)[..., None]).astype(dtype)
-
-
-def decode_windows(slots: int) -> tuple[int, ...]:
-  """The cache prefixes a decode step may attend over: DECODE_WINDOW, doubled until the cache size.
-
-  `Model.hidden` picks the smallest that holds the tokens so far (one `lax.switch` per step, outside
-  the layer scan; each branch straight-line code over a static prefix that it only reads), so a step
-  reads at most twice the filled part of the cache and its cost grows with the tokens so far, not
-  with the preallocated size. A dynamic-length loop over blocks would read exactly the filled part,
-  but a GPU syncs with the host at every iteration of a loop whose trip count is data."""
-  windows = [min(DECODE_WINDOW, slots)]
-  while windows[-1] < slots:
-    windows.append(min(2 * windows[-1], slots))
-  return tuple(windows)
-
-
 class Attention(nn.Module):
   cfg: ModelConfig
-  window: int | None = None  # with a cache: attend over its first `window` slots (None: all)
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, attention_mask, kv, layer, index):
-    """`kv`: None, or every layer's cache `{"k", "v": [L, B, S, K, E]}`; this layer's slice is `layer`.
-    Returns `(out, kv, new)`.
-
-    Without a cache (training, scoring): fused causal attention over the T tokens. With a cache and
-    several new tokens (a prefill): they are written into the cache and attend over all of it under
-    the slot mask. One new token (a decode step): it attends over the cache's first `window` slots
-    and itself, leaving the cache as it is; `new` is its `(key, value)` for the caller to write."""
+  def __call__(self, x_BxTxD, positions_BxT, attention_mask):
+    """Fused causal attention over the T tokens (`attention_mask` `[B, T]` key padding, or None)."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     b, t, _ = x_BxTxD.shape
@@ -212,29 +156,9 @@ class Attention(nn.Module):
     if cfg.kv_quant != "none":
       kk, v = kv_fake_quant(kk, cfg), kv_fake_quant(v, cfg)
     q, kk, v = q.astype(dt), kk.astype(dt), v.astype(dt)
-    new = None
-
-    if kv is None:
-      # cuDNN turns a mask into a [B, 1, T, T] bias (and its gradient); is_causal lets it skip the upper
-      # triangle. Rows the decoder left-aligned (`drops_key_mask`) or without padding come as None.
-      key_mask = None if attention_mask is None else jnp.broadcast_to(
-          attention_mask[:, None, None, :].astype(bool), (b, 1, t, t))
-      out = fused_attention(q, kk, v, key_mask, True, attention_backend(cfg.attention_impl, dt, e, _platform()))
-    elif t == 1:
-      # Rounded as the cache stores them, so the step sees what later steps will read back.
-      new = (kk[:, 0].astype(kv["k"].dtype), v[:, 0].astype(kv["v"].dtype))
-      out = decode_attention(q.reshape(b, k, h // k, e), *new, kv, layer, attention_mask, index,
-                             self.window or kv["k"].shape[2], dt)
-    else:
-      # Only the new tokens are written, into the stacked cache the scan carries, so a prefill
-      # updates the cache in place instead of copying a layer's slice out and back.
-      at = (layer, 0, index, 0, 0)
-      kv = {"k": jax.lax.dynamic_update_slice(kv["k"], kk[None].astype(kv["k"].dtype), at),
-            "v": jax.lax.dynamic_update_slice(kv["v"], v[None].astype(kv["v"].dtype), at)}
-      causal_TxS = (index + jnp.arange(t))[:, None] >= jnp.arange(kv["k"].shape[2])[None, :]
-      mask = causal_TxS[None, None] & attention_mask[:, None, None, :].astype(bool)
-      out = fused_attention(q, kv["k"][layer].astype(dt), kv["v"][layer].astype(dt), mask, False,
-                            attention_backend(cfg.attention_impl, dt, e, _platform()), training=False)
-    out = out.reshape(b, t, h * e)
-    return dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", cfg)(out), kv, new
-
+    # cuDNN turns a mask into a [B, 1, T, T] bias (and its gradient); is_causal lets it skip the upper
+    # triangle. Rows the decoder left-aligned (`drops_key_mask`) or without padding come as None.
+    key_mask = None if attention_mask is None else jnp.broadcast_to(
+        attention_mask[:, None, None, :].astype(bool), (b, 1, t, t))
+    out = fused_attention(q, kk, v, key_mask, True, attention_backend(cfg.attention_impl, dt, e, _platform()))
+    return dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj", cfg)(out.reshape(b, t, h * e))

@@ -8,18 +8,21 @@ Shapes: B batch, T new tokens, S cache slots, D model width, H query heads,
 K key/value heads, G = H // K query heads per kv head, E head_dim, V vocab.
 Without a cache, `attention_mask` is the key-padding mask `[B, T]`, each row's real tokens one run
 (padding before and after it; None: no padding); with a cache it is the mask of valid cache slots
-`[B, S]` (after writing the new tokens), and the new tokens are written at slot `cache["index"]`.
+`[B, S]` (after writing the new tokens; a row's valid slots are one run), and the new tokens are
+written at slot `cache["index"]`.
 
-The decoder layers are one `nn.scan` over stacked params (`params["layers"][...]` has a leading
-`[L]` axis) and a stacked cache (`[L, B, S, K, E]`), so compile time does not grow with depth.
+Without a cache (training, scoring) the decoder layers are one `nn.scan` over stacked params
+(`params["layers"][...]` has a leading `[L]` axis), so compile time does not grow with depth. With a
+cache the layers run as an engine runs them (`opdjax.models.decode`: per-layer weights, one KV buffer
+per layer, `opdjax.models.kv_cache`); `Model.apply` prepares those weights from `params` on every call,
+an engine once per weight version.
 
-Attention and the decode windows live in `opdjax.models.attention`, the building blocks (RMSNorm,
-RoPE, the projection) in `opdjax.models.layers`.
+Attention lives in `opdjax.models.attention`, the building blocks (RMSNorm, RoPE, the projection) in
+`opdjax.models.layers`.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.linen as nn
@@ -27,13 +30,11 @@ import jax
 import jax.numpy as jnp
 
 from opdjax.errors import UserError
+from opdjax.models import decode
 from opdjax.models.attention import (  # noqa: F401  (re-exported: callers import these from here)
-  DECODE_WINDOW,
   Attention,
   attention_backend,
   cudnn_limits,
-  decode_attention,
-  decode_windows,
   drops_key_mask,
   fused_attention,
   left_aligned,
@@ -58,22 +59,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """One layer as a scan body: carry `(x, kv)`, scanned over the layer index; outputs a decode step's
-  new `(key, value)` (stacked by the scan: `[L, B, K, E]`), else None."""
+  """One layer as a scan body: carry `x`, the same positions and mask for every layer."""
 
   cfg: ModelConfig
-  window: int | None = None
 
   @nn.compact
-  def __call__(self, carry, layer, positions, attention_mask, index):
-    x, kv = carry
+  def __call__(self, x, _, positions, attention_mask):
     x = shard_rows(x)  # on a mesh: the batch's rows stay split (opdjax.parallel.activations)
     cfg = self.cfg
     h = RMSNorm(cfg.rms_norm_eps, name="input_layernorm")(x)
-    a, kv, new = Attention(cfg, self.window, name="self_attn")(h, positions, attention_mask, kv, layer, index)
-    x = x + a
+    x = x + Attention(cfg, name="self_attn")(h, positions, attention_mask)
     h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm")(x)
-    return (x + MLP(cfg, name="mlp")(h), kv), new
+    return x + MLP(cfg, name="mlp")(h), None
 
 
 # What the backward pass keeps of each layer's forward: everything, the matmul outputs (the
@@ -92,19 +89,17 @@ def check_remat_policy(name: str) -> str:
   return name
 
 
-def scanned_layers(cfg: ModelConfig, remat_policy: str, name: str = "layers", unroll: bool = False,
-                   window: int | None = None) -> nn.Module:
+def scanned_layers(cfg: ModelConfig, remat_policy: str, name: str = "layers", unroll: bool = False) -> nn.Module:
   """Every decoder layer as one `nn.scan`: params stacked on a leading `[L]` axis, one compiled body
-  (`unroll`: the same scan as straight-line code, for cost analyses that count a loop body once;
-  `window`: a decode step's cache window)."""
+  (`unroll`: the same scan as straight-line code, for cost analyses that count a loop body once)."""
   layer = DecoderLayer
   if REMAT_POLICIES[check_remat_policy(remat_policy)] is not None:
     # prevent_cse=False: inside a scan the loop already keeps XLA from merging the recomputation back.
     layer = nn.remat(DecoderLayer, policy=REMAT_POLICIES[remat_policy], prevent_cse=False)
   scan = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
+                 in_axes=(0, nn.broadcast, nn.broadcast), length=cfg.num_layers,
                  unroll=cfg.num_layers if unroll else 1)
-  return scan(cfg, window, name=name)
+  return scan(cfg, name=name)
 
 
 class Decoder(nn.Module):
@@ -113,46 +108,29 @@ class Decoder(nn.Module):
   cfg: ModelConfig
   remat_policy: str = "nothing"
   unroll_layers: bool = False
-  window: int | None = None
 
   def setup(self):
     cfg = self.cfg
     self.embed_tokens = nn.Embed(
         cfg.vocab_size, cfg.hidden_size, param_dtype=jnp.float32,
         embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
-    self.layers = scanned_layers(cfg, self.remat_policy, unroll=self.unroll_layers, window=self.window)
+    self.layers = scanned_layers(cfg, self.remat_policy, unroll=self.unroll_layers)
     self.norm = RMSNorm(cfg.rms_norm_eps, name="norm")
     if not cfg.tie_word_embeddings:
       self.lm_head = dense(cfg.vocab_size, False, "lm_head", cfg, act_quant=False)
 
-  def __call__(self, tokens_BxT, positions_BxT, attention_mask, cache: Cache | None = None):
-    if cache is not None and tokens_BxT.shape[1] == 1:
-      x, new = self.decode_step(tokens_BxT, positions_BxT, attention_mask, cache)
-      return x, write_step(cache, new)
+  def __call__(self, tokens_BxT, positions_BxT, attention_mask):
     inverse = None
-    if cache is None and attention_mask is not None and drops_key_mask(self.cfg):
+    if attention_mask is not None and drops_key_mask(self.cfg):
       order, inverse = left_aligned(attention_mask)
       tokens_BxT, positions_BxT = (jnp.take_along_axis(a, order, axis=1) for a in (tokens_BxT, positions_BxT))
       attention_mask = None
     x = self.embed_tokens(tokens_BxT).astype(jnp.dtype(self.cfg.dtype))
-    kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
-    index = None if cache is None else cache["index"]
     layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-    (x, kv), _ = self.layers((x, kv), layer_ids, positions_BxT, attention_mask, index)
+    x, _ = self.layers(x, layer_ids, positions_BxT, attention_mask)
     if inverse is not None:  # back to the caller's layout
       x = jnp.take_along_axis(x, inverse[..., None], axis=1)
-    x = self.norm(x)
-    if cache is not None:
-      cache = {"index": index + tokens_BxT.shape[1], **kv}
-    return x, cache
-
-  def decode_step(self, tokens_Bx1, positions_Bx1, attention_mask, cache: Cache):
-    """`(hidden [B, 1, D], (keys, values) [L, B, K, E])` of one new token per row; reads the cache only."""
-    x = self.embed_tokens(tokens_Bx1).astype(jnp.dtype(self.cfg.dtype))
-    kv = {"k": cache["k"], "v": cache["v"]}
-    layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-    (x, _), new = self.layers((x, kv), layer_ids, positions_Bx1, attention_mask, cache["index"])
-    return self.norm(x), new
+    return self.norm(x)
 
   def logits(self, hidden_BxTxD):
     """fp32 logits from hidden states (also usable on a chunk of positions)."""
@@ -167,7 +145,7 @@ class Decoder(nn.Module):
   def init_all(self, tokens_BxT):
     """Touches every parameter (used by `init`)."""
     pos = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
-    h, _ = self(tokens_BxT, pos, jnp.ones_like(tokens_BxT))
+    h = self(tokens_BxT, pos, jnp.ones_like(tokens_BxT))
     if not self.cfg.tie_word_embeddings:
       return self.lm_head(h)
     return h
@@ -190,25 +168,12 @@ class Model:
     return self.module.init(rng, tokens, method=Decoder.init_all)["params"]
 
   def hidden(self, params, tokens, positions, attention_mask, cache=None):
-    """`(hidden [B, T, D], cache)`. A decode step (one new token per row) attends over the smallest
-    of the cache's `decode_windows` that holds the tokens so far; the branches only read the cache
-    and the new keys and values are written after the switch."""
+    """`(hidden [B, T, D], cache)`; with a cache, through `opdjax.models.decode` (weights prepared here)."""
+    if cache is not None:
+      return decode.forward(decode.prepare(params, self.cfg), cache, tokens, positions,
+                            decode.slot_starts(attention_mask), self.cfg)
     with matmul_precision(self.cfg.dtype):
-      return self._hidden(params, tokens, positions, attention_mask, cache)
-
-  def _hidden(self, params, tokens, positions, attention_mask, cache):
-    if cache is None or tokens.shape[1] != 1:
-      return self.module.apply({"params": params}, tokens, positions, attention_mask, cache)
-    windows = decode_windows(cache["k"].shape[2])
-    branches = [functools.partial(self._decode_step, w) for w in windows]
-    pick = jnp.minimum(jnp.searchsorted(jnp.asarray(windows), cache["index"] + 1), len(windows) - 1)
-    args = (params, tokens, positions, attention_mask, cache)
-    h, new = jax.lax.switch(pick, branches, *args) if len(windows) > 1 else branches[0](*args)
-    return h, write_step(cache, new)
-
-  def _decode_step(self, window, params, tokens, positions, attention_mask, cache):
-    decoder = Decoder(self.cfg, remat_policy=self.remat_policy, unroll_layers=self.unroll_layers, window=window)
-    return decoder.apply({"params": params}, tokens, positions, attention_mask, cache, method=Decoder.decode_step)
+      return self.module.apply({"params": params}, tokens, positions, attention_mask), None
 
   def logits(self, params, hidden):
     with matmul_precision(self.cfg.dtype):
@@ -226,18 +191,8 @@ class Model:
     return self.logits(params, h), cache
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
-    """`{"index": i32, "k", "v": [L, B, S, K, E]}`: every layer's keys and values, stacked."""
-    cfg = self.cfg
-    dt = jnp.dtype(dtype or cfg.dtype)
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return {"index": jnp.zeros((), jnp.int32), "k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
-
-
-def write_step(cache: Cache, new) -> Cache:
-  """The cache with a decode step's `(keys, values) [L, B, K, E]` written at slot `index`, in place."""
-  at = (0, 0, cache["index"], 0, 0)
-  return {"index": cache["index"] + 1, "k": jax.lax.dynamic_update_slice(cache["k"], new[0][:, :, None], at),
-          "v": jax.lax.dynamic_update_slice(cache["v"], new[1][:, :, None], at)}
+    """An empty KV cache (`opdjax.models.kv_cache`: `{"index", "layers": per layer {"k", "v": [B, K, S, E]}}`)."""
+    return decode.init_cache(self.cfg, batch, max_len, dtype)
 
 
 def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:

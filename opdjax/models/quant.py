@@ -119,23 +119,6 @@ def fp8_matmul_ready(x) -> bool:
           and x.scale.shape[-2] == 1)
 
 
-def _layer_kernels(fn, params):
-  """`fn` applied to the fp8-ready `QArray`s of the decoder layers (`params["layers"]`)."""
-  def visit(path, x):
-    return fn(x) if getattr(path[0], "key", None) == "layers" and fp8_matmul_ready(x) else x
-
-  return jax.tree_util.tree_map_with_path(visit, params, is_leaf=lambda x: isinstance(x, QArray))
-
-
-def fp8_matmul_layout(params):
-  """The decoder layers' fp8-ready matrices stored `[out, in]` (`QArray.transposed`), once, where
-  an engine installs its weights: an FP8 GEMM then reads them as they are, each decode step."""
-  def flip(x):
-    return x if x.transposed else x.replace(q=jnp.swapaxes(x.q, -1, -2), transposed=True)
-
-  return _layer_kernels(flip, params)
-
-
 def unpack(params, keep_fp8: bool = False):
   """Dequantizes every `QArray` leaf (call inside jit: XLA fuses it into the consumers). With
   `keep_fp8`, decoder-layer matrices `fp8_dot` can multiply stay packed (`fp8_matmul` models)."""

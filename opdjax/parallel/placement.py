@@ -117,22 +117,20 @@ class Placement:
     return jax.tree.map(lambda x: jax.device_put(x, rules.rows_sharding(self.mesh, x.ndim)), tree)
 
   def kv_cache(self, model, batch: int, length: int, dtype=None):
-    """The engine's KV cache `{"index", "k", "v": [L, B, S, K, E]}`, created sharded (rows over
-    the batch axes, key/value heads over tensor)."""
+    """The engine's KV cache (opdjax.models.kv_cache), created sharded (rows over the batch axes,
+    key/value heads over tensor: `rules.kv_cache_shardings`)."""
     if self.mesh is None:
       return model.init_cache(batch, length, dtype)
-    shardings = {"index": rules.replicated(self.mesh), "k": NamedSharding(self.mesh, rules.KV_CACHE),
-                 "v": NamedSharding(self.mesh, rules.KV_CACHE)}
-    return jax.jit(lambda: model.init_cache(batch, length, dtype), out_shardings=shardings)()
+    init = lambda: model.init_cache(batch, length, dtype)
+    return jax.jit(init, out_shardings=rules.kv_cache_shardings(jax.eval_shape(init), self.mesh))()
 
-  def generate_jit_kw(self) -> dict:
-    """jax.jit keywords of the engine's generate: its outputs (tokens, mask, logprobs, cache) stay
-    sharded as its inputs are, so the donated cache comes back in place."""
+  def generate_jit_kw(self, cache) -> dict:
+    """jax.jit keywords of the engine's generate over `cache` (its structure): its outputs (tokens,
+    mask, logprobs, cache) stay sharded as its inputs are, so the donated cache comes back in place."""
     if self.mesh is None:
       return {}
     rows = rules.rows_sharding(self.mesh, 2)
-    kv = NamedSharding(self.mesh, rules.KV_CACHE)
-    return {"out_shardings": (rows, rows, rows, {"index": rules.replicated(self.mesh), "k": kv, "v": kv})}
+    return {"out_shardings": (rows, rows, rows, rules.kv_cache_shardings(cache, self.mesh))}
 
   # --- host ---
 

@@ -39,7 +39,8 @@ RULES: tuple[tuple[str, P], ...] = (
 )
 
 BATCH = P(BATCH_AXES)  # rows over (data, fsdp), every other dim whole
-KV_CACHE = P(None, BATCH_AXES, None, "tensor", None)  # [L, B, S, K, E]
+KV_CACHE = P(BATCH_AXES, "tensor", None, None)  # one layer's keys or values [B, K, S, E]
+KV_SCALE = P(BATCH_AXES, "tensor", None)  # their fp8 scales [B, K, S]
 
 
 def _keys(path) -> tuple[str, ...]:
@@ -118,3 +119,10 @@ def rows_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+def kv_cache_shardings(cache, mesh: Mesh):
+  """The engine's KV cache (opdjax.models.kv_cache) sharded: each layer's buffers rows over the
+  batch axes and kv heads over tensor, the write index replicated."""
+  spec = {0: P(), 3: KV_SCALE, 4: KV_CACHE}
+  return jax.tree.map(lambda x: NamedSharding(mesh, spec[len(x.shape)]), cache)

@@ -1,14 +1,18 @@
 """The embedded JAX rollout engine.
 
-One jitted function does the prefill and the whole decode loop
-(`lax.while_loop`, no Python loop per token) over a preallocated KV cache that is
-donated into the call and handed back for the next one. Prompts are left-padded
-so every row writes the same cache slot at each step; a decode step reads only the
-filled part of the cache.
+One jitted function does the prefill and the whole decode loop over a preallocated KV cache that is
+donated into the call and handed back, aliased, for the next one (opdjax.models.kv_cache: one buffer
+per layer, written in place). Prompts are left-padded so every row writes the same cache slot at
+each step, and each row attends over its own filled slots.
 
-Packed (`QArray`) weights are dequantized inside the jitted function, where XLA fuses
-the dequantization into the matmuls; a model with `fp8_matmul` keeps its fp8 layer
-weights packed and multiplies them on fp8 with fp8 activations (W8A8).
+The engine holds its weights as a decode step multiplies them (`install_params`, once per weight
+version: opdjax.models.decode.prepare): per layer, q|k|v and gate|up fused, in the compute dtype;
+packed fp8 weights from a `weights` view stay fp8 (W8A16: upcast inside the dot, scale after it), or
+for an `fp8_matmul` model are multiplied on fp8 with fp8 activations (W8A8).
+
+The loop stays on the device: a `fori_loop` of `max_new_tokens` steps when no EOS can end a row
+early; otherwise chunks of `DONE_EVERY` steps, the rows' `done` tested between chunks (a GPU reads a
+data-dependent loop condition back to the host at every iteration).
 """
 
 from __future__ import annotations
@@ -19,85 +23,85 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from opdjax.models import decode
 from opdjax.models.decoder import Model, positions_from_mask
-from opdjax.models.quant import QArray, check_fp8_support, fp8_matmul_layout, unpack
+from opdjax.models.quant import check_fp8_support
 from opdjax.parallel.placement import SINGLE
 from opdjax.rollout.base import Capabilities, PromptTooLongError, Rollout, RolloutEngine, SamplingParams, pad_prompts
 from opdjax.rollout.sampling import sample
 
+DONE_EVERY = 16  # decode steps between two tests of whether every row has ended
+
 
 def install_params(params, model: Model):
-  """The params as the engine holds them: floating leaves cast once to the compute dtype (bf16
-  decode reads bf16 weights), and for an `fp8_matmul` model the fp8 layer weights laid out
-  `[out, in]` (`fp8_matmul_layout`). Pure, so `jax.eval_shape` gives an engine's abstract params."""
-  dt = jnp.dtype(model.cfg.dtype)
-  if dt != jnp.float32:
-    params = jax.tree.map(
-        lambda x: x.astype(dt) if not isinstance(x, QArray) and jnp.issubdtype(x.dtype, jnp.floating) else x,
-        params, is_leaf=lambda x: isinstance(x, QArray))
-  return fp8_matmul_layout(params) if model.cfg.fp8_matmul else params
+  """The params as the engine holds them (opdjax.models.decode.prepare). Pure, so `jax.eval_shape`
+  gives an engine's abstract params."""
+  return decode.prepare(params, model.cfg)
 
 
-def engine_params(params, model: Model):
-  """The params the decoder multiplies with: packed weights dequantized, except the fp8 layer
-  weights an `fp8_matmul` model multiplies on fp8 (call inside jit)."""
-  return unpack(params, keep_fp8=model.cfg.fp8_matmul)
+def decode_step(prepared, cache, tokens_B, positions_B, start_B, *, model: Model):
+  """One new token per row, written at slot `cache["index"]`; row b attends over slots
+  `[start_B[b], index]`. Returns `(logits [B, V] fp32, cache)`."""
+  h, cache = decode.forward(prepared, cache, tokens_B[:, None], positions_B[:, None], start_B, model.cfg)
+  return decode.logits(prepared, h[:, 0], model.cfg), cache
 
 
-def decode_step(params, cache, tokens_B, positions_B, kv_mask_BxS, *, model: Model):
-  """One new token per row: `(logits [B, V] fp32, cache)`. `kv_mask_BxS` already marks the slot
-  this token is written to (`cache["index"]`)."""
-  params = engine_params(params, model)
-  h, cache = model.hidden(params, tokens_B[:, None], positions_B[:, None], kv_mask_BxS, cache)
-  return model.logits(params, h[:, 0]), cache
+def decode_step_program(model: Model, batch: int, slots: int, placement=None) -> jax.stages.Compiled:
+  """The engine's one-token decode step compiled for `batch` rows and a `slots`-slot cache (fp8 when
+  the model's config has `kv_quant`), its cache donated: the program a rollout runs per token, for
+  reading its HLO (copies, aliasing) from outside."""
+  prepared = jax.eval_shape(lambda: install_params(model.init(jax.random.key(0)), model))
+  cache = jax.eval_shape(lambda: (placement or SINGLE).kv_cache(model, batch, slots))
+  row = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  fn = jax.jit(functools.partial(decode_step, model=model), donate_argnums=1)
+  return fn.lower(prepared, cache, row, row, row).compile()
 
 
-def generate_loop(params, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
+def generate_loop(prepared, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: Model,
                   sampling: SamplingParams, eos_ids: tuple[int, ...], pad_id: int):
   b, p = prompt_BxP.shape
   n = sampling.max_new_tokens
+  cfg = model.cfg
   positions = positions_from_mask(prompt_mask_BxP)
-  kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((b, n), bool)], axis=1)
-  # The donated cache holds the last call's keys and values: zeroed (in place), as a decode step
-  # multiplies its not-yet-written slots by a zero weight and 0 * NaN from a diverged call is NaN.
-  cache = {"index": jnp.zeros((), jnp.int32), "k": jnp.zeros_like(cache["k"]), "v": jnp.zeros_like(cache["v"])}
-  h, cache = model.hidden(engine_params(params, model), prompt_BxP, positions, kv_mask_BxS, cache)
-  logits = model.logits(engine_params(params, model), h[:, -1])
+  start = decode.slot_starts(prompt_mask_BxP)  # left-padded: a row's filled slots are [start, index]
+  # The prefill writes slots [0, P) and zeroes the rest in place: the donated cache holds the last
+  # call's keys and values, and a diverged call's NaN would poison a masked slot's zero weight.
+  h, cache = decode.forward(prepared, {**cache, "index": jnp.zeros((), jnp.int32)}, prompt_BxP, positions, start,
+                            cfg, clear_tail=True)
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
-  def cond(s):
-    return (s["step"] < n) & ~jnp.all(s["done"])
-
-  def body(s):
+  def body(_, s):
     rng, sub = jax.random.split(s["rng"])
     tok, lp = sample(s["logits"], sub, sampling)
     live = ~s["done"]
     tok = jnp.where(live, tok, pad_id)
     step = s["step"]
-    out = {
-        "tokens": s["tokens"].at[:, step].set(tok),
-        "logprobs": s["logprobs"].at[:, step].set(jnp.where(live, lp, 0.0)),
-        "mask": s["mask"].at[:, step].set(live),
-    }
-    done = s["done"] | jnp.isin(tok, eos)
-    kv_mask = s["kv_mask"].at[:, p + step].set(True)
-    logits, cache = decode_step(params, s["cache"], tok, s["pos"], kv_mask, model=model)
-    return {**out, "step": step + 1, "done": done, "kv_mask": kv_mask, "cache": cache,
-            "pos": s["pos"] + 1, "rng": rng, "logits": logits}
+    logits, cache = decode_step(prepared, s["cache"], tok, s["pos"], start, model=model)
+    return {"step": step + 1, "done": s["done"] | jnp.isin(tok, eos), "cache": cache, "pos": s["pos"] + 1,
+            "rng": rng, "logits": logits,
+            "tokens": s["tokens"].at[:, step].set(tok),
+            "logprobs": s["logprobs"].at[:, step].set(jnp.where(live, lp, 0.0)),
+            "mask": s["mask"].at[:, step].set(live)}
 
-  state = {
+  s = {
       "step": jnp.zeros((), jnp.int32),
       "done": jnp.zeros((b,), bool),
       "tokens": jnp.full((b, n), pad_id, jnp.int32),
       "logprobs": jnp.zeros((b, n), jnp.float32),
       "mask": jnp.zeros((b, n), bool),
-      "kv_mask": kv_mask_BxS,
       "cache": cache,
       "pos": positions[:, -1] + 1,
       "rng": rng,
-      "logits": logits,
+      "logits": decode.logits(prepared, h[:, -1], cfg),
   }
-  s = jax.lax.while_loop(cond, body, state)
+  if not eos_ids:
+    s = jax.lax.fori_loop(0, n, body, s)
+  else:
+    chunks, rest = divmod(n, DONE_EVERY)
+    chunk = lambda s: jax.lax.fori_loop(0, DONE_EVERY, body, s)
+    s = jax.lax.while_loop(lambda s: (s["step"] < chunks * DONE_EVERY) & ~jnp.all(s["done"]), chunk, s)
+    if rest:
+      s = jax.lax.cond(jnp.all(s["done"]), lambda s: s, lambda s: jax.lax.fori_loop(0, rest, body, s), s)
   return s["tokens"], s["mask"], s["logprobs"], s["cache"]
 
 
@@ -130,18 +134,15 @@ class JaxEngine(RolloutEngine):
     return self._version
 
   def sync(self, params, version: int) -> None:
-    """Installs weights as the engine holds them (`install_params`)."""
-    cfg = self.model.cfg
-    if params is not None and (jnp.dtype(cfg.dtype) != jnp.float32 or cfg.fp8_matmul):
-      params = self._install(params)
-    self._params = params
+    """Installs weights as the engine holds them (`install_params`), once per version."""
+    self._params = None if params is None else self._install(params)
     self._version = version
 
   def _fn(self, sampling: SamplingParams):
     if sampling not in self._compiled:
       fn = functools.partial(generate_loop, model=self.model, sampling=sampling,
                              eos_ids=self.eos_ids, pad_id=self.pad_id)
-      self._compiled[sampling] = jax.jit(fn, donate_argnames=("cache",), **self.placement.generate_jit_kw())
+      self._compiled[sampling] = jax.jit(fn, donate_argnames=("cache",), **self.placement.generate_jit_kw(self._cache))
     return self._compiled[sampling]
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int = 0) -> Rollout:
@@ -153,7 +154,7 @@ class JaxEngine(RolloutEngine):
           f"prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} exceeds the"
           f" engine's max_len={self.max_len}; shorten the prompt or raise rollout.max_len.")
     b = toks.shape[0]
-    if self._cache is None or self._cache["k"].shape[1:3] != (b, total):
+    if self._cache is None or self._cache["layers"][0]["k"].shape[::2] != (b, total):
       self._cache = self.placement.kv_cache(self.model, b, total, self.kv_dtype)
     rows = self.placement.rows(b)  # a process builds only its own rows (the padding is global)
     toks, mask = self.placement.batch(toks[rows], b), self.placement.batch(mask[rows], b)

@@ -106,7 +106,7 @@ def compile_probe(cfg: ModelConfig, dtype: str, mesh: Mesh):
     pos = jnp.arange(n)[None]
 
     def one(x, i_w):
-      (x, _), _ = layer.apply({"params": jax.tree.map(sent, i_w[1])}, (x, None), i_w[0], pos, None, None)
+      x, _ = layer.apply({"params": jax.tree.map(sent, i_w[1])}, x, i_w[0], pos, None)
       return x, None
 
     x, _ = jax.lax.scan(one, x, (jnp.arange(cfg.num_layers), p["layers"]))
