@@ -1,12 +1,11 @@
 """Decode step time against KV-cache fill: does a decode step cost what the tokens so far cost, or
 what the preallocated cache costs?
 
-One jitted function runs `steps` decode steps (`Model.apply` with a cache, one new token per row,
-greedy) from a cache of `max_len` slots filled to `fill` x max_len; it is called at 10% and at 90%
-fill (the fill is an argument: one compile). A decode step that reads only the filled cache gets
-cheaper at 10%; one that reads every slot costs the same at both. The script only uses the model
-contract (`Model.apply`, `Model.init_cache`), so it measures any version of the decoder: point
-PYTHONPATH at an older checkout to get its numbers.
+One jitted function runs `steps` engine decode steps (`opdjax.rollout.jax.engine.decode_step` over the
+weights as the engine installs them, one new token per row, greedy) from a cache of `max_len` slots
+filled to `fill` x max_len; it is called at 10% and at 90% fill (the fill is an argument: one compile).
+A decode step that reads only the filled cache gets cheaper at 10%; one that reads every slot costs the
+same at both (the XLA decode attention today: opdjax.models.kv_cache).
 
     PYTHONPATH=. python bench/decode_fill.py                # CPU: small model, ~1 min
     PYTHONPATH=. python bench/decode_fill.py --mode gpu     # Qwen3-0.6B shape, bf16
@@ -51,20 +50,20 @@ def shapes_line(spec: dict) -> str:
 
 
 def decode_loop(model, steps: int):
-  """`(params, cache, tokens [B], positions [B], kv_mask [B, S]) -> (tokens, cache)` after `steps`
-  greedy decode steps from `cache["index"]`."""
+  """`(prepared, cache, tokens [B], positions [B], start [B]) -> (tokens, cache)` after `steps` greedy
+  decode steps from `cache["index"]` (`prepared`: `install_params`' weights)."""
   import jax
   import jax.numpy as jnp
 
-  def run(params, cache, tok, pos, kv_mask):
-    def body(_, carry):
-      cache, tok, pos, kv_mask = carry
-      kv_mask = jax.lax.dynamic_update_slice(kv_mask, jnp.ones((kv_mask.shape[0], 1), kv_mask.dtype),
-                                             (0, cache["index"]))
-      logits, cache = model.apply(params, tok[:, None], pos[:, None], kv_mask, cache)
-      return cache, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), pos + 1, kv_mask
+  from opdjax.rollout.jax.engine import decode_step
 
-    cache, tok, _, _ = jax.lax.fori_loop(0, steps, body, (cache, tok, pos, kv_mask))
+  def run(prepared, cache, tok, pos, start):
+    def body(_, carry):
+      cache, tok, pos = carry
+      logits, cache = decode_step(prepared, cache, tok, pos, start, model=model)
+      return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), pos + 1
+
+    cache, tok, _ = jax.lax.fori_loop(0, steps, body, (cache, tok, pos))
     return tok, cache
 
   return jax.jit(run, donate_argnums=1)
@@ -80,13 +79,13 @@ def measure(model, params, spec: dict, fills=FILLS) -> dict:
   cache = model.init_cache(b, s)
   tok = jnp.zeros((b,), jnp.int32)
   out = {"compile_s": None}
+  zero = jnp.zeros((b,), jnp.int32)
   for fill in fills:
     start = int(fill * s)
-    kv_mask = jnp.arange(s)[None, :].repeat(b, 0) < start
     pos = jnp.full((b,), start, jnp.int32)
 
-    def call(cache, start=start, pos=pos, kv_mask=kv_mask):
-      toks, cache = fn(params, {**cache, "index": jnp.asarray(start, jnp.int32)}, tok, pos, kv_mask)
+    def call(cache, start=start, pos=pos):
+      toks, cache = fn(params, {**cache, "index": jnp.asarray(start, jnp.int32)}, tok, pos, zero)
       jax.block_until_ready(toks)
       return cache
 
@@ -116,13 +115,12 @@ def main():
     _common.pin_cpu_threads(args.threads)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
-  import jax.numpy as jnp
 
   from opdjax.models import Model
+  from opdjax.rollout.jax.engine import install_params
 
   model = Model(model_config(spec))
-  params = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(jnp.dtype(spec["dtype"])), model.init(k)))(
-      jax.random.key(0))
+  params = jax.jit(lambda k: install_params(model.init(k), model))(jax.random.key(0))
   t0 = time.perf_counter()
   res = measure(model, params, spec)
   print(f"{shapes_line(spec)} ({jax.devices()[0].device_kind}, {time.perf_counter() - t0:.0f} s)")

@@ -81,8 +81,15 @@ def test_gpu_suite_dry_run_traces_every_part_at_full_size(tmp_path):
   o, t = rep["opd_step"]["opdjax"], rep["opd_step"]["pytorch"]
   assert o["params"] == t["params"] == rep["rollout"]["hf_generate"]["params"] == 596_049_920
   assert 8e9 < o["flops_per_step"] / (8 * 1024) < 10e9, o["flops_per_step"]
-  assert rep["engine_decode"]["fp8_w8a8"]["fp8_dots_in_program"] == 14  # 7 projections, prefill and decode
+  # 4 fused projections in each of the 28 layers, prefill and decode; W8A16 upcasts its fp8 inside the dot.
+  assert rep["engine_decode"]["fp8_w8a8"]["fp8_dots_in_program"] == 4 * 28 * 2
   assert rep["engine_decode"]["fp8_weight_only"]["fp8_dots_in_program"] == 0
+  # The decode part lowered every planned (variant, batch) program at full size, the floor's bytes beside.
+  d = rep["decode_steps"]
+  assert sorted(d["lowered"]) == sorted(d["plan"]) and len(d["plan"]) == 10 and d["rows"] == []
+  bf16, fp8 = d["lowered"]["bf16@64"]["floor_bytes"], d["lowered"]["fp8_kv_w8a16@64"]["floor_bytes"]
+  assert 1.1e9 < bf16["weights"] < 1.3e9 and 1.8e9 < bf16["kv_mean_fill"] < 2.0e9  # the 1.19 + 1.88 GB
+  assert fp8["kv_mean_fill"] < 0.6 * bf16["kv_mean_fill"] and fp8["weights"] < 0.7 * bf16["weights"]
 
 
 def test_step_flops_survive_a_pjrt_c_api_backend(monkeypatch):
