@@ -20,6 +20,12 @@ a time limit; a part that fails or runs out of time leaves its fields null and i
   of the floor, new tokens/s, kernels a step (profiler trace at batch 64), compile time.
 - `decode_fill`: the bf16 decode step time at 10% and 90% fill of a 4096-slot cache (bench/decode_fill.py).
 - `rollout_hf`: HF `generate`, the rollout shapes (one warm-up call of 8 tokens, one timed call).
+- `loop`: the whole OPD loop, `opdjax train` end to end (configs/demo.py's addition task) on random HF
+  folders of a Qwen3-0.6B-shaped student and a Qwen3-1.7B-shaped teacher, bf16, embedded engine, 30 steps
+  of 64 rollouts x 128 new tokens, `train.timed` (the per-step split: sample, weight sync, train with the
+  teacher's scoring inside the step). `opdjax train` reads ml_collections configs: where it is missing
+  (the GPU image), gpu_suite.sh installs the wheels carried in bench/wheels/ (`bash bench/gpu_suite.sh
+  --fetch-wheels` puts them there, on a machine with PyPI).
 Weights are random, built on the device from the configs (nothing downloaded or written). Writes one
 JSON (`$OUT/gpu_suite.json` when OUT is set, else bench/results/) and prints a markdown section for
 BENCHMARKS.md.
@@ -56,12 +62,14 @@ ROLLOUT = {**rollout.MODES["gpu"], "repeats": 3, "hf_repeats": 1, "hf_warmup_new
 FILL = decode_fill.MODES["gpu"]
 DECODE = decode_steps.SPECS["gpu"]
 DECODE_PLAN = decode_steps.plan((16, 64, 256), w8a8_batches=(256,))
+LOOP = {"student": ROLLOUT["model"], "teacher": OPD["teacher"], "vocab": OPD["vocab"], "dtype": "bfloat16",
+        "batch": 64, "new": 128, "steps": 30, "num_eval": 64}
 
 
 def use_smoke_shapes() -> None:
   """`--smoke`: the measuring code paths (not the dry run's) on tiny CPU shapes, to check the
   suite itself before a GPU is spent on it."""
-  global MODE, OPD, ROLLOUT, FILL, DECODE, DECODE_PLAN
+  global MODE, OPD, ROLLOUT, FILL, DECODE, DECODE_PLAN, LOOP
   MODE = "cpu"
   OPD = {**opd_step.MODES["cpu"], "seq": 128, "prompt": 32, "warmup": 1, "steps": 2}
   ROLLOUT = {**rollout.MODES["cpu"], "batch": 4, "prompt": 16, "new": 16, "repeats": 1, "hf_repeats": 1,
@@ -69,6 +77,9 @@ def use_smoke_shapes() -> None:
   FILL = {**decode_fill.MODES["cpu"], "batch": 2, "max_len": 1024, "steps": 4, "repeats": 1}
   DECODE = decode_steps.SPECS["cpu"]
   DECODE_PLAN = decode_steps.plan((2, 4), w8a8_batches=(4,))
+  LOOP = {"student": dict(hidden=64, layers=2, heads=4, kv=2, head_dim=16, inter=128),
+          "teacher": dict(hidden=96, layers=2, heads=4, kv=2, head_dim=16, inter=192), "vocab": 512,
+          "dtype": "float32", "batch": 8, "new": 8, "steps": 3, "num_eval": 16}
 FP8_RECIPE = "fp8"  # views.perturb preset: every layer matrix fp8_e4m3 per channel, embeddings bf16
 
 # The first run on a GPU node is cold (no compilation cache): each limit holds its part's compiles
@@ -79,7 +90,8 @@ FP8_RECIPE = "fp8"  # views.perturb preset: every layer matrix fp8_e4m3 per chan
 # engine's decode layers are straight-line code now, and compile longer.
 BUDGET_S = 540  # the whole suite: 9 of the 15 minutes one H200 is lent for, a rerun's room left
 DRY_BUDGET_S = 170  # the dry run, under 3 minutes
-PART_LIMITS_S = {"opd_jax": 100, "opd_torch": 50, "engine": 120, "decode": 170, "decode_fill": 50, "rollout_hf": 50}
+PART_LIMITS_S = {"opd_jax": 80, "opd_torch": 40, "engine": 100, "decode": 150, "decode_fill": 30, "rollout_hf": 40,
+                 "loop": 100}
 
 TARGETS = {  # from the issue (one H200)
     "opd_speedup": 1.5, "opd_tokens_per_s": 42_700, "opd_peak_mem_ratio": 0.5, "opd_mfu": 0.40,
@@ -246,8 +258,84 @@ def part_rollout_hf(dry: bool, opts) -> dict:
   return {"params": _hf_param_counts({"model": rollout.model_config(ROLLOUT)})["model"], **_torch_versions()}
 
 
+def loop_command(student: str, teacher: str, out: str) -> list[str]:
+  return ["opdjax", "train", "--config", "configs/demo.py", "--out", out, f"--config.student.path={student}",
+          f"--config.teacher.path={teacher}", f"--config.model.dtype={LOOP['dtype']}",
+          "--config.model.remat_policy=full",
+          f"--config.rollout.batch_size={LOOP['batch']}", f"--config.rollout.max_new_tokens={LOOP['new']}",
+          f"--config.rollout.max_len={LOOP['new'] + 32}", f"--config.train.steps={LOOP['steps']}",
+          "--config.train.timed=True", "--config.train.eval_every=100000", f"--config.task.num_eval={LOOP['num_eval']}",
+          "--config.train.checkpoint_every=0"]
+
+
+def _loop_model(shape: dict):
+  from opdjax.models import ModelConfig
+  from opdjax.tasks.addition import BOS, EOS, PAD
+
+  return ModelConfig(model_type="qwen3", vocab_size=LOOP["vocab"], hidden_size=shape["hidden"],
+                     intermediate_size=shape["inter"], num_layers=shape["layers"], num_heads=shape["heads"],
+                     num_kv_heads=shape["kv"], head_dim=shape["head_dim"], rope_theta=1e6, tie_word_embeddings=True,
+                     max_position_embeddings=40960, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+
+
+def part_loop(dry: bool, opts) -> dict:
+  """`opdjax train` end to end on random Qwen3-shaped HF folders (the addition task's tokens are ids
+  below its small vocabulary; the models' 152k-way softmax samples everything else too)."""
+  import statistics
+  import tempfile
+
+  import jax
+
+  from opdjax.models import Model, save_hf_params
+
+  tmp = tempfile.mkdtemp(prefix="gpu-suite-loop-")
+  paths = {role: os.path.join(tmp, role) for role in ("student", "teacher")}
+  cmd = loop_command(paths["student"], paths["teacher"], os.path.join(tmp, "run"))
+  out = {"command": " ".join(cmd[:4] + ["--out DIR", "--config.student.path=S", "--config.teacher.path=T"] + cmd[8:]),
+         **_versions()}
+  if dry:
+    return out
+  import glob
+  import importlib.util
+  wheels = sorted(glob.glob(os.path.join(BENCH, "wheels", "*.whl")))
+  if importlib.util.find_spec("ml_collections") is None and wheels:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", *wheels], check=True)
+  if importlib.util.find_spec("ml_collections") is None:
+    raise RuntimeError("`opdjax train` needs ml_collections: run `bash bench/gpu_suite.sh --fetch-wheels` where PyPI"
+                       " is reachable and carry bench/wheels/ to this machine (this part installs them).")
+  t0 = time.perf_counter()
+  for role, shape in (("student", LOOP["student"]), ("teacher", LOOP["teacher"])):
+    cfg = _loop_model(shape)
+    params = jax.jit(Model(cfg).init)(jax.random.key(0 if role == "student" else 1))
+    save_hf_params(jax.device_get(params), cfg, paths[role])  # fp32 files; the run computes in LOOP's dtype
+    del params
+  out["write_models_s"] = round(time.perf_counter() - t0, 1)
+  t0 = time.perf_counter()
+  proc = subprocess.run(cmd, cwd=os.path.dirname(BENCH), capture_output=True, text=True)
+  out["train_wall_s"] = round(time.perf_counter() - t0, 1)
+  if proc.returncode:
+    raise RuntimeError(f"opdjax train exited {proc.returncode}: {proc.stderr[-2000:]}")
+  with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
+    recs = [json.loads(line) for line in f if line.strip()]
+  steps = [r for r in recs if "time_train_s" in r]
+  later = steps[1:] or steps  # step 1 compiles
+  keys = sorted({k for r in later for k in r if k.startswith("time_") and k.endswith("_s")})
+  out["first_step_s"] = round(steps[0]["elapsed_s"], 2) if steps and "elapsed_s" in steps[0] else None
+  out["split_median_s"] = {k: round(statistics.median(r[k] for r in later if k in r), 4) for k in keys}
+  # elapsed_s is stamped when a record is written (after the next step is dispatched): over 29 steps its
+  # differences are the loop's pace; the split's stages are timed one by one (train.timed waits for each).
+  walls = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(later, later[1:]) if "elapsed_s" in a and "elapsed_s" in b]
+  out["step_s"] = round(statistics.median(walls), 4) if walls else None
+  out["split_sum_s"] = round(sum(out["split_median_s"].values()), 4)
+  out["new_tokens_per_step"] = statistics.median(r["num_tokens"] for r in later) if later else None
+  out["tokens_per_s"] = round(out["new_tokens_per_step"] / out["step_s"]) if out["step_s"] else None
+  out["steps"] = len(steps)
+  out["reverse_kl"] = [recs[0].get("reverse_kl"), steps[-1].get("train_reverse_kl") if steps else None]
+  return out
+
+
 PARTS = {"opd_jax": part_opd_jax, "opd_torch": part_opd_torch, "engine": part_engine, "decode": part_decode,
-         "decode_fill": part_decode_fill, "rollout_hf": part_rollout_hf}
+         "decode_fill": part_decode_fill, "rollout_hf": part_rollout_hf, "loop": part_loop}
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -284,6 +372,13 @@ def empty_report(dry: bool, remat: str, smoke: bool = False, budget: float | Non
                        "copy_tb_s": decode_steps.decode_profile.HBM_COPY_TB_S,
                        "plan": [f"{v}@{b}" for v, b in DECODE_PLAN], "rows": [], "lowered": None,
                        "fp8_kv_speedup_b64": None, "fp8_kv_w8a16_speedup_b64": None},
+      "loop": {"shapes": (f"student {LOOP['student']}, teacher {LOOP['teacher']}, vocab {LOOP['vocab']},"
+                          f" {LOOP['dtype']}; {LOOP['batch']} rollouts x {LOOP['new']} new tokens a step,"
+                          f" {LOOP['steps']} steps, embedded JAX engine, configs/demo.py's task"),
+               "command": None, "steps": None, "step_s": None, "first_step_s": None, "tokens_per_s": None,
+               "new_tokens_per_step": None, "split_median_s": None, "split_sum_s": None, "write_models_s": None,
+               "train_wall_s": None,
+               "reverse_kl": None},
       "compile_s": {"train_step": None, "generate_bf16": None, "generate_fp8_w8a8": None,
                     "generate_fp8_weight_only": None, "decode_fill_loop": None},
       "trace_s": {"train_step": None, "generate_bf16": None, "generate_fp8_w8a8": None,
@@ -378,6 +473,8 @@ def fill_report(rep: dict, results: dict) -> dict:
                                                  TARGETS["decode_b256_tokens_per_s"]),
         "fp8_kv_w8a16_speedup_b64_ge_1.3": _ge(d["fp8_kv_w8a16_speedup_b64"], TARGETS["fp8_kv_w8a16_speedup_b64"]),
     })
+  if "loop" in results:
+    rep["loop"].update({k: v for k, v in results["loop"].items() if k in rep["loop"]})
   if "rollout_hf" in results:
     r, h = results["rollout_hf"], rep["rollout"]["hf_generate"]
     h["params"] = r.get("params")
@@ -454,8 +551,14 @@ def markdown(rep: dict, title: bool = True) -> str:
            f"- Lowering: {trace}"]
   lines += [f"- Parts not ok: {'; '.join(failed)}"] if failed else []
   lines += ["", _common.markdown_table(["what", "opdjax", "baseline", "ratio", "target", "met"], rows), ""]
-  if rep.get("decode_steps"):  # runs before the per-layer engine have no decode part
+  if rep.get("decode_steps"):  # runs before the per-layer engine have no decode or loop part
     lines += decode_markdown(rep, f, met)
+    lp = rep["loop"]
+    split = ", ".join(f"{k[5:-2]} {v * 1e3:.0f} ms" for k, v in (lp["split_median_s"] or {}).items())
+    lines += [f"The whole OPD loop (`{lp['command']}`; {lp['shapes']}): {f(lp['step_s'], '{:.2f}')} s a step"
+              f" (median after the first, which took {f(lp['first_step_s'], '{:.0f}')} s), {f(lp['tokens_per_s'])}"
+              f" tokens/s; split (medians, each stage waited for): {split or 'n/a'}, together"
+              f" {f(lp['split_sum_s'], '{:.2f}')} s.", ""]
   return "\n".join(lines)
 
 

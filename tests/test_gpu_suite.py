@@ -71,7 +71,9 @@ def test_gpu_suite_dry_run_traces_every_part_at_full_size(tmp_path):
   spec = importlib.util.spec_from_file_location("gpu_suite_under_test", os.path.join(ROOT, "bench", "gpu_suite.py"))
   suite = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(suite)
-  assert _keys(rep) == _keys(suite.empty_report(True, "full"))
+  lowered = ("decode_steps", "lowered")  # a dict per planned program, filled by the run
+  assert {k for k in _keys(rep) if k[:2] != lowered} == {k for k in _keys(suite.empty_report(True, "full"))
+                                                           if k[:2] != lowered}
   assert rep["budget_s"] == 4 * 3600 and rep["wall_s"] > 0  # the run took the wrapper's budget, and timed itself
   assert all(p["status"] == "ok" for p in rep["parts"].values()), rep["parts"]
   assert all(v is None for v in rep["targets"].values()) and all(v is None for v in rep["compile_s"].values())

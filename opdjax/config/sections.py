@@ -289,7 +289,8 @@ class TrainConfig:
   tensorboard: also write TensorBoard event files under OUT/tensorboard/.
   budget: a budget.json of `opdjax calibrate`; `guard` compares the mean of the last `guard_window`
   steps' mismatch with it: warn, backoff (lower rollout.async_depth, then switch to `guard_view`)
-  or halt (opdjax.pipeline.guard)."""
+  or halt (opdjax.pipeline.guard). `timed`: every step's record carries the time split (time_generate_s,
+  time_train_s, ...; a synchronous run then waits for each stage, asynchronous runs always carry it)."""
 
   steps: int = 1200
   eval_every: int = 1
@@ -302,6 +303,7 @@ class TrainConfig:
   guard: str = "warn"
   guard_view: str = ""
   guard_window: int = 5
+  timed: bool = False
 
   def check(self):
     check_positive("train.steps", self.steps)

@@ -189,7 +189,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
   else:
     loop = run_loop(session, view=view, seed=cfg.seed, steps=cfg.train.steps, hooks=hooks, state=state,
                     history=history, start=start, last_eval=last_eval, async_depth=depth,
-                    async_mode=cfg.rollout.async_mode, devices=cfg.rollout.devices)
+                    async_mode=cfg.rollout.async_mode, devices=cfg.rollout.devices, timed=cfg.train.timed or None)
     loop_records, final_state = loop.records, loop.state
   if resuming and loop_records and last_eval:
     loop_records = [{"step": start, **last_eval}, *loop_records]
