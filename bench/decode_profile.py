@@ -122,8 +122,9 @@ def main() -> int:
   ap.add_argument("--batch-factors", default=",".join(map(str, BATCH_FACTORS)),
                   help="the batches to time, as multiples of the rollout bench's batch")
   ap.add_argument("--unroll-layers", action="store_true",
-                  help="the decoder's layers as straight-line code (Model(unroll_layers=True)) instead of one scan:"
-                       " does the per-layer slice of the stacked KV cache go with the scan?")
+                  help="the training decoder's layers as straight-line code (Model(unroll_layers=True)): the"
+                       " experiment that showed the stacked cache's slices were not the scan's doing; the engine's"
+                       " decode layers are straight-line code over per-layer weights and cache since")
   args = ap.parse_args()
   spec = rollout.MODES[args.mode]
   if args.mode == "cpu":

@@ -64,7 +64,7 @@ PROSE: dict[str, dict[str, str]] = {
         "on its 12 devices": "the layout",
         # quoted from `opdjax plan` and compared with a fresh run by
         # tests/test_launch.py::test_readme_memory_check_prints_what_the_readme_quotes
-        "44.14 GiB of train-step peak and 11.43 of rollout peak": "checked by tests/test_launch.py",
+        "44.14 GiB of train-step peak and 12.95 of rollout peak": "checked by tests/test_launch.py",
         "13.64 GiB is the fp32": "checked by tests/test_launch.py",
         "teacher: 6 divides": "the layout", "a node's 6 GPUs": "the layout",
         "GPU 7 on port 8101": "the script's layout", "a 240 x 1024 batch": "the config",

@@ -152,7 +152,7 @@ for name, cfg in {"fsdp4": MeshConfig(fsdp=4), "data2_fsdp2": MeshConfig(data=2,
                          np.abs(np.asarray(r2.rollout_logprobs) - np.asarray(base2.rollout_logprobs)).max())),
     "token_devices": len(r.completion_tokens.sharding.device_set),
     "token_rows_per_device": r.completion_tokens.addressable_shards[0].data.shape[0],
-    "cache_spec": str(e._cache["k"].sharding.spec),
+    "cache_spec": str(e._cache["layers"][0]["k"].sharding.spec),
     "kernel_shard": list(p["layers"]["mlp"]["up_proj"]["kernel"].addressable_shards[0].data.shape),
     "mu_shard": list(mu.addressable_shards[0].data.shape), "mu_shape": list(mu.shape),
   }
@@ -172,7 +172,7 @@ def test_sharded_engine_samples_the_single_device_tokens():
     # The parity is not trivial: rows, weights, KV cache and optimizer moments really are split.
     assert r["token_rows_per_device"] == {"fsdp4": 2, "data2_fsdp2": 2, "fsdp2_tensor2": 4}[name], name
     assert r["mu_shard"] != r["mu_shape"] and r["kernel_shard"] != [2, 32, 64], name
-  assert out["fsdp4"]["cache_spec"] == "P(None, ('data', 'fsdp'), None, 'tensor', None)"
+  assert out["fsdp4"]["cache_spec"] == "P(('data', 'fsdp'), 'tensor', None, None)"  # each layer's [B, K, S, E]
   assert out["fsdp2_tensor2"]["kernel_shard"] == [2, 16, 32]  # [L, D/fsdp, F/tensor]
 
 
