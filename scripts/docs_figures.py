@@ -636,6 +636,17 @@ def decode_layers_table(r: dict) -> str:
   return markdown_table(head, rows)
 
 
+# ---------------------------------------------------------------- bench/engine_versions.py: the JaxEngine, two commits
+def engine_versions_setup(r: dict) -> str:
+  return "\n".join(_bench_module("engine_versions").setup_lines(r["result"]))
+
+
+def engine_versions_table(r: dict) -> str:
+  """The bench's own tables and verdict lines (its module renders them for its printout too)."""
+  ev = _bench_module("engine_versions")
+  return "\n".join([ev.markdown(r["result"]), "", *ev.summary_lines(r["result"])])
+
+
 # ---------------------------------------------------------------- docs/admission.md: one validate_admission run
 def collect_admission(out: str) -> dict:
   """scripts/validate_admission.py's three files: the calibration's budget (its points with every seed), the
@@ -1533,6 +1544,12 @@ FIGURES: dict[str, Figure] = {
         note="one call on the lent H200 (python3, the image's CUDA jax), from commit 4d3a605's tree with"
              " --batch-factors and --unroll-layers added; the folder read with --refresh decode_profile_layers --from"
              " at the commit below, which sums each trace's kernels"),
+    "engine_versions": Figure(("python bench/engine_versions.py --before 5daaaa2 --out {out}/engine_versions.json",),
+                              _read_json("engine_versions.json"),
+                              {"setup": engine_versions_setup, "table": engine_versions_table},
+                              env={"PYTHONPATH": "."},
+                              note="5daaaa2: the commit before e03a96c, which brought the per-layer KV cache and"
+                                   " weights prepared once per version"),
     "gpu_suite": Figure(("bash bench/gpu_suite.sh --budget 540",), _read_json("gpu_suite.json"),
                         {"section": gpu_suite_section, "decode_floor": gpu_decode_floor},
                         note="run on the lent H200 through the session's device tool (PYTHON=python3, the image's"
