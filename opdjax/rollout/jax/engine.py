@@ -105,6 +105,12 @@ def generate_loop(prepared, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: M
   return s["tokens"], s["mask"], s["logprobs"], s["cache"]
 
 
+def _signature(params) -> tuple:
+  """What decides the installed weights' shapes and placement: the tree, each leaf's shape, dtype and sharding."""
+  leaves, tree = jax.tree.flatten(params)
+  return tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+
+
 class JaxEngine(RolloutEngine):
   """Batched sampling with the opdjax decoder, fully jitted."""
 
@@ -124,7 +130,11 @@ class JaxEngine(RolloutEngine):
     self.kv_dtype = kv_dtype
     if model.cfg.fp8_matmul:
       check_fp8_support(jax.devices()[0])
-    self._install = jax.jit(functools.partial(install_params, model=model))  # compiled once per engine
+    # Compiled once per engine. A new version of the same shapes is installed into the previous one's
+    # buffers (donated): a fresh set of weight-sized buffers each step costs page faults on a CPU.
+    self._install = jax.jit(functools.partial(install_params, model=model))
+    self._reinstall = jax.jit(lambda held, params: install_params(params, model), donate_argnums=0, keep_unused=True)
+    self._params, self._signature = None, None
     self.sync(params, version)
     self._cache = None
     self._compiled: dict[SamplingParams, object] = {}
@@ -135,7 +145,14 @@ class JaxEngine(RolloutEngine):
 
   def sync(self, params, version: int) -> None:
     """Installs weights as the engine holds them (`install_params`), once per version."""
-    self._params = None if params is None else self._install(params)
+    signature = None if params is None else _signature(params)
+    if params is None:
+      self._params = None
+    elif self._params is not None and signature == self._signature:
+      self._params = self._reinstall(self._params, params)
+    else:
+      self._params = self._install(params)
+    self._signature = signature
     self._version = version
 
   def _fn(self, sampling: SamplingParams):
