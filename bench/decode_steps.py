@@ -2,7 +2,7 @@
 decode-floor issue asks of one GPU (bench/gpu_suite.py's `decode` part runs it; on CPU it checks itself).
 
 For each variant (bf16; fp8 KV cache; fp8 KV cache + W8A16 weights; fp8 KV cache + W8A8 on FP8 GEMMs)
-and batch, one jitted `fori_loop` of `steps` engine decode steps (`opdjax.rollout.jax.engine.decode_step`,
+and batch, one jitted `fori_loop` of `steps` engine decode steps (bench/decode_fill.py's `decode_loop`:
 greedy, the cache donated) from a cache filled to the rollout's mean fill (prompt + new / 2 of prompt +
 new slots). Reported: compile seconds, the step's wall milliseconds (median of `repeats` calls / steps),
 new tokens/s (batch / step), the step's memory floor (every weight once in its stored width, plus the
@@ -24,6 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_fill  # noqa: E402
 import decode_profile  # noqa: E402
 import rollout  # noqa: E402
 
@@ -67,7 +68,7 @@ def build(spec: dict, variant: str, batch: int, params=None, abstract: bool = Fa
   import jax
 
   from opdjax.models import Model
-  from opdjax.rollout.jax.engine import decode_step, install_params
+  from opdjax.rollout.jax.engine import install_params
   from opdjax.views import perturb
 
   switches, packed = VARIANTS[variant]
@@ -78,17 +79,7 @@ def build(spec: dict, variant: str, batch: int, params=None, abstract: bool = Fa
   prepared = jax.eval_shape(prep, raw) if abstract else jax.jit(prep)(raw)
   slots = spec["prompt"] + spec["new"]
   cache = jax.eval_shape(lambda: model.init_cache(batch, slots)) if abstract else model.init_cache(batch, slots)
-
-  def run(prepared, cache, tok, pos, start):
-    def body(_, carry):
-      cache, tok, pos = carry
-      logits, cache = decode_step(prepared, cache, tok, pos, start, model=model)
-      return cache, jax.numpy.argmax(logits, axis=-1).astype(tok.dtype), pos + 1
-
-    cache, tok, _ = jax.lax.fori_loop(0, spec["steps"], body, (cache, tok, pos))
-    return tok, cache
-
-  return model, jax.jit(run, donate_argnums=1), prepared, cache
+  return model, decode_fill.decode_loop(model, spec["steps"]), prepared, cache
 
 
 def measure(spec: dict, variant: str, batch: int, params, trace: bool) -> dict:

@@ -39,16 +39,10 @@ class W8A16:
   scale: jax.Array
 
 
-def _kind(w) -> str:
-  if isinstance(w, QArray) and quant.fp8_matmul_ready(w):
-    return "fp8"
-  return "dense"
-
-
 def _layer_slice(leaf, i: int, cfg: ModelConfig):
   """Layer i's matrix of a stacked leaf, as the engine multiplies it."""
   dt = jnp.dtype(cfg.dtype)
-  if _kind(leaf) == "fp8":
+  if quant.fp8_matmul_ready(leaf):
     q = jnp.swapaxes(leaf.q[i], -1, -2) if leaf.transposed else leaf.q[i]  # [in, out]
     scale = jnp.broadcast_to(leaf.scale[i], (1, q.shape[-1])).astype(jnp.float32)
     if cfg.fp8_matmul:
@@ -174,6 +168,3 @@ def slot_starts(mask_BxS) -> jax.Array:
   """Each row's first filled slot (`[B]`; 0 for a row with none yet): a row's filled slots are one run."""
   return jnp.argmax(mask_BxS.astype(bool), axis=1).astype(jnp.int32)
 
-
-def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> dict:
-  return kv_cache.init_cache(cfg, batch, slots, dtype)

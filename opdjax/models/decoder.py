@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from opdjax.errors import UserError
-from opdjax.models import decode
+from opdjax.models import decode, kv_cache
 from opdjax.models.attention import (  # noqa: F401  (re-exported: callers import these from here)
   Attention,
   attention_backend,
@@ -192,7 +192,7 @@ class Model:
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
     """An empty KV cache (`opdjax.models.kv_cache`: `{"index", "layers": per layer {"k", "v": [B, K, S, E]}}`)."""
-    return decode.init_cache(self.cfg, batch, max_len, dtype)
+    return kv_cache.init_cache(self.cfg, batch, max_len, dtype)
 
 
 def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from opdjax.models import attention as training_attention
 from opdjax.models import quant
 from opdjax.models.config import ModelConfig
-from opdjax.models.layers import kv_dequantize, kv_quantize
+from opdjax.models.layers import kv_dequantize, kv_fake_quant, kv_quantize
 
 _NEG_INF = -1e30
 
@@ -131,7 +131,7 @@ def decode_attention(q_BxKxGxE, layer: dict, start_B, index, dtype, cfg: ModelCo
 def as_stored(x_BxTxKxE, cfg: ModelConfig, storage, dtype) -> jax.Array:
   """Keys or values rounded as the cache stores them and read back (`write` then `read`), in `dtype`."""
   if quantized(cfg):
-    return kv_dequantize(*kv_quantize(x_BxTxKxE, cfg), dtype)
+    return kv_fake_quant(x_BxTxKxE, cfg).astype(dtype)
   return x_BxTxKxE.astype(storage).astype(dtype)
 
 

@@ -13,7 +13,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from opdjax.errors import UserError
 from opdjax.models import quant
 from opdjax.models.config import ModelConfig
 
@@ -86,8 +85,8 @@ def kv_fake_quant(x_BxTxKxE: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 class Linear(nn.Module):
-  """`y = x @ kernel (+ bias)`; with `act_quant`, x is first rounded per token (W8A8 engines). A
-  packed fp8 kernel (`QArray`, kept packed only for `fp8_matmul` models) is multiplied on fp8."""
+  """`y = x @ kernel (+ bias)`; with `act_quant`, x is first rounded per token (W8A8 numerics). Packed
+  fp8 weights never reach it: an engine multiplies them itself (opdjax.models.decode)."""
 
   features: int
   use_bias: bool
@@ -96,17 +95,9 @@ class Linear(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    packed = self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
-    if isinstance(packed, quant.QArray):
-      # Read as is: `self.param` would check q's shape against [in, out], and q may be [out, in].
-      if self.act_quant != "fp8_e4m3":
-        raise UserError("packed fp8 layer weights reach the decoder only in fp8_matmul models"
-                        " (act_quant='fp8_e4m3'); dequantize them first (quant.unpack).")
-      y = quant.fp8_dot(x, packed).astype(self.dtype)
-    else:
-      kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), jnp.float32)
-      x = quantize_activations(x, self.act_quant)
-      y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+    kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), jnp.float32)
+    x = quantize_activations(x, self.act_quant)
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(self.dtype)
     return y

@@ -119,17 +119,10 @@ def fp8_matmul_ready(x) -> bool:
           and x.scale.shape[-2] == 1)
 
 
-def unpack(params, keep_fp8: bool = False):
-  """Dequantizes every `QArray` leaf (call inside jit: XLA fuses it into the consumers). With
-  `keep_fp8`, decoder-layer matrices `fp8_dot` can multiply stay packed (`fp8_matmul` models)."""
-  def visit(path, x):
-    if not isinstance(x, QArray):
-      return x
-    if keep_fp8 and getattr(path[0], "key", None) == "layers" and fp8_matmul_ready(x):
-      return x
-    return x.dequantize()
-
-  return jax.tree_util.tree_map_with_path(visit, params, is_leaf=lambda x: isinstance(x, QArray))
+def unpack(params):
+  """Dequantizes every `QArray` leaf."""
+  return jax.tree.map(lambda x: x.dequantize() if isinstance(x, QArray) else x, params,
+                      is_leaf=lambda x: isinstance(x, QArray))
 
 
 def fp8_dot(x: jax.Array, w: QArray) -> jax.Array:
