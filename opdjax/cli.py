@@ -21,7 +21,8 @@ CONFIG_MODES = {
     "required": "--config FILE is required",
     "default": "--config FILE is optional (without it: the demo's config, configs/demo.py)",
     "demo": "always the demo's config, configs/demo.py (`opdjax train --config FILE` runs another)",
-    "budget": "the config stored in --budget; only --config.admit.KEY=VALUE overrides apply",
+    "budget": "the config stored in --budget; only --config.admit.KEY=VALUE overrides apply (--teacher: the run's"
+              " --config FILE, every --config.* override)",
 }
 CONFIG_FILE = "--config FILE names a configs/*.py exporting get_config()."
 OVERRIDES = """\

@@ -60,6 +60,10 @@ def train_arguments(p: argparse.ArgumentParser) -> None:
   multi.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 <= I < N")
   multi.add_argument("--coordinator-timeout", type=float, default=120.0, metavar="S",
                      help="seconds to wait for every process to join before one clear error (default 120)")
+  from opdjax.training.loss import placement_table
+
+  p.epilog = (f"{p.epilog or ''}\n\nWhich objective (loss.kind) each teacher placement feeds (teacher.serve,"
+              f" rollout.teacher_scoring):\n{placement_table()}").lstrip()
 
 
 def train(args, overrides) -> int:
@@ -112,15 +116,34 @@ def analysis_arguments(out_help: str = "output folder (JSON/CSV/markdown + PNG p
 
 
 def admit_arguments(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--budget", required=True, help="budget.json written by `opdjax calibrate`")
-  p.add_argument("--candidates", required=True,
+  p.add_argument("--budget", help="budget.json written by `opdjax calibrate` (--teacher: default train.budget)")
+  p.add_argument("--candidates",
                  help="a file with one candidate per line: NAME: ENGINE-VIEW (e.g. 'fp8: weights=fp8,lag=1')")
-  out_options(p, False, "folder for admission.json/csv/md and admission.png")
+  p.add_argument("--teacher", action="store_true",
+                 help="admit the served teacher of the run --config describes instead (its replicas against each"
+                      " other, its precision against the trainer's, the figure against the budget; exit code 3"
+                      " when refused); any --config.* override applies")
+  p.add_argument("--config", metavar="FILE", help="--teacher: the run's configs/*.py")
+  out_options(p, False, "folder for admission.json/csv/md and admission.png (--teacher: teacher_admission.json)")
 
 
 def admit(args, overrides) -> int:
   from opdjax.analyses import admission
 
+  if args.teacher:
+    from opdjax.analyses import teacher_preflight
+
+    if args.candidates:
+      raise UserError("--teacher admits the run's served teacher; --candidates screens rollout engines: give one.")
+    if not args.config:
+      raise UserError("opdjax admit --teacher needs the run's --config FILE (with its --config.* overrides).")
+    cfg = resolve_config(args.config, overrides)
+    check_out(args)
+    result = teacher_preflight.preflight(cfg, args.out, args.budget)
+    print(teacher_preflight.report(result))
+    return 0 if result["admitted"] else 3
+  if not args.budget or not args.candidates:
+    raise UserError("opdjax admit needs --budget and --candidates (or --teacher with the run's --config).")
   check_out(args)
   print(admission.report(admission.admit(args.budget, args.candidates, args.out, overrides)))
   return 0
@@ -175,7 +198,10 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
   from opdjax.analyses.capacity import KNOWN_SHAPES
 
   method = planning.__doc__.split("\n\n", 2)[2]  # what the numbers are (the XLA CPU compile's) and the headroom
-  p.epilog = f"Models: {', '.join(KNOWN_SHAPES)}, or an HF folder / config.json.\n\n{method}"
+  from opdjax.training.loss import OBJECTIVES, placement_table
+
+  p.epilog = (f"Models: {', '.join(KNOWN_SHAPES)}, or an HF folder / config.json.\n\n{method}\n\nWhich objective each"
+              f" teacher placement feeds (--loss x --teacher-serve):\n{placement_table()}")
   p.add_argument("--teacher", help="teacher model (required, but for --schedule --measure)")
   p.add_argument("--student", help="student model (required, but for --schedule --measure)")
   p.add_argument("--devices", type=int, default=8, help="devices of the mesh (default 8)")
@@ -183,7 +209,7 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--batch", type=int, default=64, help="sequences per step (default 64)")
   p.add_argument("--seq-len", type=int, default=1024, help="prompt + completion tokens (default 1024)")
   p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the rollout (default 512)")
-  p.add_argument("--loss", choices=planning.LOSSES, default="full_rkl", help="loss.kind (default full_rkl)")
+  p.add_argument("--loss", choices=list(OBJECTIVES), default="full_rkl", help="loss.kind (default full_rkl)")
   p.add_argument("--chunk", type=int, default=128, help="loss.chunk: positions per logits chunk (default 128)")
   p.add_argument("--topk", type=int, default=16, help="loss.topk: the top-K of topk_rkl (default 16)")
   p.add_argument("--teacher-serve", choices=("trainer", "vllm"), default="trainer",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-PURPOSES = {"prompts": 1, "sample": 2, "noise": 3, "eval": 4, "eval_greedy": 5}
+PURPOSES = {"prompts": 1, "sample": 2, "noise": 3, "eval": 4, "eval_greedy": 5, "teacher_preflight": 6}
 
 
 def derive(seed: int, step: int, purpose: str, *extra: int) -> int:

@@ -35,8 +35,10 @@ def test_every_commands_help_says_how_it_takes_its_config(cmd, capsys):
     assert "--config FILE" in usage and "[--config FILE]" not in usage
   elif cmd.config == "default":
     assert "[--config FILE]" in usage and "configs/demo.py" in text
+  elif cmd.config == "budget":  # admit: the budget's config; --teacher admits the served teacher of a run's config
+    assert "[--config FILE]" in usage and "[--teacher]" in usage
   else:
-    assert "--config FILE" not in usage  # demo and admit take no config file
+    assert "--config FILE" not in usage  # the demo takes no config file
 
 
 def test_top_level_help_names_each_commands_config_and_print_config(capsys):

@@ -364,3 +364,32 @@ def test_loss_config_rejects_bad_values(bad):
   with pytest.raises(UserError, match=f"loss.{field}"):  # a ValueError the CLI reports cleanly
     LossConfig(**bad)
   LossConfig(**{field: LossConfig.__dataclass_fields__[field].default})  # the default is accepted
+
+
+def test_objectives_dispatch_through_the_registry_and_say_what_they_need():
+  """Every objective is registered with what it needs from the teacher; the step's dispatch goes through the
+  registry (an objective registered here is the one computed), an unregistered kind is refused at the config,
+  and each teacher placement's refusal names what that placement feeds."""
+  import opdjax.training.loss as L
+
+  with pytest.raises(UserError, match="loss.kind='nope'; choose one of sampled_rkl"):
+    LossConfig(kind="nope")
+  assert set(L.OBJECTIVES) == {"sampled_rkl", "full_rkl", "topk_rkl", "forward_kl", "jsd"}
+  assert L.fed_by("served") == ["sampled_rkl", "topk_rkl"] and L.fed_by("trainer") == list(L.OBJECTIVES)
+  assert not L.feeds("served", LossConfig(kind="topk_rkl", topk_support="student"))
+  assert "this placement feeds sampled_rkl, topk_rkl" in L.refusal("served", LossConfig(kind="jsd"))
+  table = L.placement_table().splitlines()
+  assert table[0].split() == ["objective", "trainer", "engine", "served"] and len(table) == 1 + 6
+  zs, zt = jnp.zeros((2, 3, 5)), jnp.ones((2, 3, 5))
+  y = jnp.zeros((2, 3), jnp.int32)
+  L.register(L.Objective("test_constant", lambda cfg: frozenset({L.SAMPLED}),
+                         lambda logp_s, logp_t, lp_s, lp_t, rkl, m, cfg: jnp.full(lp_s.shape, 7.0)))
+  try:
+    cfg = LossConfig(kind="test_constant")
+    np.testing.assert_array_equal(per_token_terms(zs, zt, y, cfg)["term"], 7.0)
+    with pytest.raises(UserError, match="test_constant.*needs"):  # registered without a served term
+      L.served_terms(zs, {"teacher_logprobs": jnp.zeros((2, 3))}, y, cfg)
+    with pytest.raises(ValueError, match="registered twice"):
+      L.register(L.OBJECTIVES["test_constant"])
+  finally:
+    del L.OBJECTIVES["test_constant"]

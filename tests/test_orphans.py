@@ -127,6 +127,56 @@ def test_a_server_whose_graceful_shutdown_hangs_dies_with_its_trainer(tmp_path, 
   _kill_and_check(proc, "a server that ignores SIGTERM", log)
 
 
+THREAD_TRAINER = """
+import sys, threading, time
+from opdjax.rollout.vllm import server
+server.SERVER_MODULE = "fake_vllm"
+srv = server.VllmServer("model", python=sys.executable, log_path=sys.argv[1], startup_timeout_s=60)
+asker = threading.Thread(target=srv.start)  # as the asynchronous producer starts a served teacher
+asker.start()
+asker.join()  # the thread that asked for the server is gone (the guard's backoff ends the producer)
+time.sleep(3)
+print("alive" if srv.running else "dead", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_outlives_the_thread_that_started_it_and_dies_with_its_trainer(tmp_path, monkeypatch):
+  """Linux's parent-death signal fires when the forking *thread* exits: a server started from a thread that
+  then ended used to die with that thread (a resumed asynchronous run's served teacher, at the guard's
+  backoff). opdjax.rollout.children forks from a thread that lives as long as the process."""
+  (tmp_path / "fake_vllm.py").write_text(test_vllm.FAKE_SERVER)
+  monkeypatch.setenv("FAKE_STARTS", str(tmp_path / "starts"))
+  log = tmp_path / "trainer.log"
+  with open(log, "w") as f:
+    proc = subprocess.Popen([sys.executable, "-c", THREAD_TRAINER, str(tmp_path / "vllm.log")], cwd=ROOT, stdout=f,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}"})
+  got = _wait_for("the server's state after its thread ended", lambda: re.search(r"^(alive|dead)$",
+                                                                                    log.read_text(), re.M), proc, log,
+                  timeout_s=60)
+  assert got[1] == "alive", log.read_text()[-2000:]
+  _kill_and_check(proc, "a server whose starting thread ended", log)
+
+
+def test_a_server_killed_while_it_starts_is_reported_as_killed(tmp_path):
+  """Exit 137 (the out-of-memory killer, or another process): no 'fix the cause above' pointing at a log line
+  that is not the cause."""
+  from opdjax.rollout.vllm import server
+  from opdjax.rollout.vllm.client import VllmError
+
+  (tmp_path / "killed_vllm.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+  old = server.SERVER_MODULE
+  server.SERVER_MODULE = "killed_vllm"
+  try:
+    srv = server.VllmServer("model", log_path=str(tmp_path / "vllm.log"), startup_timeout_s=60,
+                            env={"PYTHONPATH": str(tmp_path)})
+    with pytest.raises(VllmError, match=r"killed \(SIGKILL, exit code 137\) while starting: by the out-of-memory") as e:
+      srv.start()
+  finally:
+    server.SERVER_MODULE = old
+  assert "Fix the cause above" not in str(e.value)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_servers_die_with_their_trainer(files, tmp_path, vllm_default_processes):

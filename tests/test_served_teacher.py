@@ -19,13 +19,19 @@ def _cfg(**overrides):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"loss.kind": "full_rkl"}, r"loss.kind='full_rkl' needs the teacher's whole distribution.*'sampled_rkl' or"
-                                r" 'topk_rkl'"),
-    ({"loss.kind": "forward_kl"}, r"loss.kind='forward_kl' needs the teacher's whole distribution"),
-    ({"loss.kind": "jsd"}, r"loss.kind='jsd' needs the teacher's whole distribution"),
-    ({"loss.kind": "topk_rkl", "loss.topk_support": "student"}, r"loss.topk_support='teacher' with teacher.serve"),
+    ({"loss.kind": "full_rkl"}, r"loss.kind='full_rkl' needs the teacher's full distribution, which a teacher served"
+                                r" by vLLM .* does not give; this placement feeds sampled_rkl, topk_rkl"),
+    ({"loss.kind": "forward_kl"}, r"loss.kind='forward_kl' needs the teacher's full distribution"),
+    ({"loss.kind": "jsd"}, r"loss.kind='jsd' needs the teacher's full distribution"),
+    ({"loss.kind": "topk_rkl", "loss.topk_support": "student"},
+     r"loss.topk_support='student' needs the teacher's log-probs at student-chosen ids.*"
+     r"\(loss.topk_support='teacher'\)"),
     ({"teacher.view": "weights=fp8"}, r"teacher.view=weights=fp8 perturbs the trainer's teacher.*teacher.vllm.dtype"),
     ({"teacher.serve": "sidecar"}, r"teacher.serve"),
+    ({"teacher.preflight": True}, r"teacher.preflight compares .* give train.budget=PATH"),
+    ({"teacher.serve": "trainer", "loss.kind": "full_rkl", "teacher.preflight": True},
+     r"teacher.preflight admits a served teacher's servers"),
+    ({"rollout.vllm.per_host": True}, r"rollout.vllm.per_host: only a served teacher's servers are per host"),
     ({"teacher.vllm.url": "http://127.0.0.1:1", "teacher.vllm.num_servers": 2},
      r"teacher.vllm.url=.*teacher.vllm.num_servers=2"),
 ])
@@ -33,6 +39,17 @@ def test_a_served_teacher_refuses_what_it_cannot_feed_at_the_config(changes, mes
   with pytest.raises(ConfigError, match=message):
     _cfg(**changes)
   assert _cfg().teacher.serve == "vllm"  # the config itself is valid
+
+
+def test_a_top_k_above_the_vocabulary_is_refused_before_anything_is_written(demo_cache, tmp_path):
+  """The served teacher's top-K against the vocabulary: checked when the models load, before the run writes its
+  config, checkpoints or metrics into a new --out (it used to be refused at the first scoring, after them)."""
+  from opdjax.pipeline.run import train
+
+  out = tmp_path / "run"
+  with pytest.raises(UserError, match=r"loss.topk=999 .* more ids per position than its vocabulary has"):
+    train(_cfg(**{"loss.kind": "topk_rkl", "loss.topk": 999}), str(out), progress=False)
+  assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
 
 
 def test_grpo_and_a_pruned_served_teacher_are_refused_naming_the_fix(tmp_path):
@@ -258,7 +275,7 @@ def test_two_teachers_routed_by_tag_each_score_their_own_rows(tmp_path):
     engine = session.engines.get(EngineView())
     engine.sync(session.student_params, 0)
     rollout = engine.generate(prompts, session.sampling, seed=3)
-    answer = session.score_teacher(rollout, refs)
+    answer = session.teacher_side.score(rollout, refs)
     batch = batch_from_rollout(rollout)
     tags, mask = np.asarray(session.task.tags(refs)), np.asarray(batch["loss_mask"]) > 0
     assert set(tags) == {"a", "b"}
@@ -277,3 +294,43 @@ def test_two_teachers_routed_by_tag_each_score_their_own_rows(tmp_path):
   assert len(recs) == 2 and all(r["teacher_rows_a"] + r["teacher_rows_b"] == 8 for r in recs)
   assert all(r["teacher_logprob_a"] != r["teacher_logprob_b"] for r in recs)
   assert (tmp_path / "run" / "vllm-teacher-a.log").exists() and (tmp_path / "run" / "vllm-teacher-b.log").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_resumed_async_run_whose_producer_started_the_teacher_survives_the_guards_backoff(demo_cache, tmp_path):
+  """The layout of a cluster run on one box: configs/demo_served_teacher.py with rollout.async_depth=2 and
+  train.guard=backoff under a budget every step exceeds, SIGKILLed after step 3, then the same command. The
+  resumed run's first scoring comes from the producer thread, which starts the teacher's server; the guard's
+  backoff then ends that thread (async_depth 2 -> 1 -> 0). The server must outlive it (opdjax.rollout.children)
+  and the run complete with every step once. Before, the resumed run stopped at step 4 with "the teacher
+  server ... died (Connection refused)"."""
+  import os
+  import subprocess
+  import sys
+
+  from opdjax.pipeline.budget import BUDGET_FORMAT, params_fingerprint
+  from opdjax.pipeline.build import load_model, make_task
+
+  cfg = _cfg()
+  _, student = load_model("student", cfg, make_task(cfg))
+  budget = tmp_path / "budget.json"
+  budget.write_text(json.dumps({"format": BUDGET_FORMAT, "budget": 1e-9, "student_fingerprint":
+                                params_fingerprint(student), "config": {"rollout": {}}}))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "run"
+  cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", "configs/demo_served_teacher.py", "--out", str(out),
+         "--config.train.steps=7", "--config.rollout.batch_size=16", "--config.task.num_eval=16",
+         "--config.train.eval_every=100", "--config.train.checkpoint_every=1", "--config.rollout.async_depth=2",
+         f"--config.train.budget={budget}", "--config.train.guard=backoff", "--config.train.guard_window=1"]
+  env = {**os.environ, "PYTHONPATH": root, "JAX_NUM_CPU_DEVICES": "2"}
+  first = subprocess.run(cmd, cwd=root, env={**env, "OPDJAX_FAULT": "step@3"}, capture_output=True, text=True,
+                         timeout=900)
+  assert first.returncode == -9, first.stderr[-3000:]
+  again = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+  assert again.returncode == 0, again.stderr[-4000:]
+  recs = _records(out)
+  assert [r["step"] for r in recs if "loss" in r] == list(range(1, 8)), [r["step"] for r in recs]  # every step once
+  events = [r["guard_event"] for r in recs if r.get("guard_event")]
+  assert any("async_depth" in e for e in events), events  # the guard did back off, in the resumed run
+  assert "resumed at step" in again.stdout + again.stderr

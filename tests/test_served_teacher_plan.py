@@ -12,7 +12,8 @@ from opdjax.errors import UserError
 
 
 def test_a_served_teacher_plan_refuses_a_full_vocabulary_loss():
-  with pytest.raises(UserError, match="--teacher-serve vllm with --loss full_rkl.*--loss sampled_rkl or"):
+  with pytest.raises(UserError, match="--teacher-serve vllm with --loss full_rkl: .*this placement feeds sampled_rkl,"
+                                     " topk_rkl"):
     P.Plan("qwen3-1.7b", "qwen3-0.6b", 1, (1, 1, 1), teacher_serve="vllm")
   assert P.Plan("qwen3-1.7b", "qwen3-0.6b", 1, (1, 1, 1), loss="topk_rkl", teacher_serve="vllm").topk == 16
   assert cli.main(["plan", "--teacher", "qwen3-1.7b", "--student", "qwen3-0.6b", "--teacher-serve", "vllm"]) == 2

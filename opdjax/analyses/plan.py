@@ -32,7 +32,7 @@ import sys
 import time
 
 GIB = 1 << 30
-LOSSES = ("sampled_rkl", "full_rkl", "topk_rkl", "forward_kl", "jsd")
+SERVE_PLACEMENT = {"trainer": "trainer", "vllm": "served"}  # --teacher-serve -> the teacher's placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +54,18 @@ class Plan:
 
   def __post_init__(self):
     from opdjax.errors import UserError
-    from opdjax.training.loss import SERVED_OBJECTIVES
+    from opdjax.training.loss import LossConfig, refusal
 
-    if self.teacher_serve not in ("trainer", "vllm"):
+    if self.teacher_serve not in SERVE_PLACEMENT:
       raise UserError(f"--teacher-serve {self.teacher_serve!r}: choose trainer or vllm.")
-    if self.teacher_serve == "vllm" and self.loss not in SERVED_OBJECTIVES:
-      raise UserError(f"--teacher-serve vllm with --loss {self.loss}: a served teacher returns the sampled token's"
-                      f" log-prob and its top-K only; pass --loss {' or --loss '.join(SERVED_OBJECTIVES)}.")
+    why = refusal(self.placement, LossConfig(kind=self.loss, topk=self.topk))
+    if why is not None:
+      raise UserError(f"--teacher-serve {self.teacher_serve} with --loss {self.loss}: {why}")
+
+  @property
+  def placement(self) -> str:
+    """The teacher's placement (opdjax.training.loss.PROVIDES) this plan compiles the step for."""
+    return SERVE_PLACEMENT[self.teacher_serve]
 
 
 def parse_mesh(text: str) -> tuple[int, int, int]:
@@ -134,8 +139,8 @@ def measure(plan: Plan) -> dict:
   optimizer = make_optimizer(OptimConfig())
   state_sh = train_step_shardings(place, s_params, None, optimizer)[0][0]
   state = _with_shardings(jax.eval_shape(lambda p: TrainState.create(p, optimizer), s_params), state_sh)
-  sides = {"train": plan.teacher_serve == "vllm"}
-  if plan.teacher_serve == "vllm":
+  sides = {"train": plan.placement == "served"}
+  if plan.placement == "served":
     sides["train_teacher_in_trainer"] = False  # the alternative, compiled beside it
   out, compile_s = {}, {}
   for key, served in sides.items():
@@ -254,6 +259,10 @@ def report(result: dict, hbm_gib: float, headroom: float) -> str:
                  f" {b['teacher_params'] / GIB:.2f} GiB)")
   lines.append(f"  {verdict}: peak {peak:.2f} GiB per device vs {hbm_gib:g} GiB x {headroom:g} headroom"
                f" ({100 * peak / hbm_gib:.0f} % of HBM)")
+  from opdjax.training.loss import placement_table
+
+  lines += ["", "  which objective each teacher placement feeds (loss.kind x the teacher's placement):",
+            *("    " + row for row in placement_table().splitlines())]
   return "\n".join(lines)
 
 

@@ -77,28 +77,35 @@ class Config:
         RolloutConfig(engine="vllm", view=self.train.guard_view).check()
       except UserError as e:
         raise UserError(f"train.guard_view: {e}") from None
-    if self.teacher.serve == "vllm":
-      self._check_served_teacher()
+    self._check_teacher_placement()
+    if self.teacher.preflight and not self.train.budget:
+      raise UserError("teacher.preflight compares the served teacher's deviation with the run's mismatch budget: give"
+                      " train.budget=PATH (a budget.json of `opdjax calibrate`), or leave teacher.preflight off.")
     if self.task.name == "prompts" and not self.teacher.path:
       raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
     return self
 
-  def _check_served_teacher(self) -> None:
-    """What a served teacher can feed: the objectives that need only the sampled token's log-prob and the
-    teacher's top-K (opdjax.training.loss.SERVED_OBJECTIVES), from the teacher's side of the rollout."""
-    from opdjax.training.loss import SERVED_OBJECTIVES
+  @property
+  def teacher_placement(self) -> str:
+    """Where the teacher scores each rollout: 'trainer' (in the OPD step), 'engine' (hidden states from the
+    JAX engine's process, rollout.teacher_scoring='engine') or 'served' (its own vLLM servers,
+    teacher.serve='vllm'). The one reading of those two keys; everything else asks this (the teacher seam,
+    opdjax.pipeline.teacher)."""
+    if self.teacher.serve == "vllm":
+      return "served"
+    return "engine" if self.rollout.teacher_scoring == "engine" else "trainer"
 
-    if self.loss.kind not in SERVED_OBJECTIVES:
-      raise UserError(f"loss.kind={self.loss.kind!r} needs the teacher's whole distribution, which a served teacher"
-                      " (teacher.serve='vllm') does not return: use loss.kind='sampled_rkl' or 'topk_rkl' (the"
-                      " teacher's top loss.topk), or teacher.serve='trainer'.")
-    if self.loss.kind == "topk_rkl" and self.loss.topk_support != "teacher":
-      raise UserError("loss.topk_support='student' needs the teacher's log-probs on the student's top-K, which a"
-                      " served teacher does not return: use loss.topk_support='teacher' with teacher.serve='vllm'.")
-    if self.rollout.teacher_scoring != "trainer":
+  def _check_teacher_placement(self) -> None:
+    """The objective against what the teacher's placement gives (opdjax.training.loss.PROVIDES)."""
+    from opdjax.training.loss import refusal
+
+    if self.teacher.serve == "vllm" and self.rollout.teacher_scoring != "trainer":
       raise UserError(f"rollout.teacher_scoring={self.rollout.teacher_scoring!r} runs the teacher in the JAX engine's"
                       " process; teacher.serve='vllm' scores it on its own servers: choose one (leave"
                       " rollout.teacher_scoring='trainer').")
+    why = refusal(self.teacher_placement, self.loss)
+    if why is not None:
+      raise UserError(why)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

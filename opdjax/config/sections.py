@@ -127,6 +127,7 @@ class TeacherConfig(StudentConfig):
   vllm: VllmConfig = VllmConfig()
   check_every: int = 0  # served: every k-th batch re-scored at the trainer's precision (teacher_mismatch_*)
   routes: str = ""  # served, several teachers: 'TAG=FOLDER_OR_URL,...', each prompt's "tag" picks one
+  preflight: bool = False  # served: `opdjax admit --teacher` before step 1 (replicas, precision vs train.budget)
 
   @property
   def route_table(self) -> tuple[tuple[str, str], ...]:
@@ -163,6 +164,9 @@ class TeacherConfig(StudentConfig):
       raise UserError(f"teacher.check_every={self.check_every} compares a served teacher with the same teacher at the"
                       " trainer's precision; with teacher.serve='trainer' the trainer's teacher is that reference:"
                       " leave teacher.check_every=0.")
+    if self.preflight and self.serve != "vllm":
+      raise UserError("teacher.preflight admits a served teacher's servers before step 1; with teacher.serve='trainer'"
+                      " the trainer's own teacher is the reference: leave teacher.preflight off.")
     if self.serve == "vllm" and EngineView.parse(self.view) != EngineView():
       raise UserError(f"teacher.view={self.view} perturbs the trainer's teacher; a served teacher's precision is its"
                       " server's: set teacher.vllm.dtype / quantization / kv_cache_dtype, and leave teacher.view"

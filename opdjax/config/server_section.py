@@ -47,6 +47,9 @@ class VllmConfig:
   # from the trainer's by probe_tolerance (0: the default of the server's dtype, opdjax.rollout.vllm.probe).
   export_dir: str = ""
   probe_tolerance: float = 0.0
+  # teacher.vllm only, behind trainer processes on several hosts: each host's first process starts its own
+  # num_servers servers (or takes its share of `urls`) and that host's processes score against them.
+  per_host: bool = False
 
   @property
   def attached(self) -> tuple[str, ...]:
@@ -61,6 +64,9 @@ class VllmConfig:
     return tuple(g.strip() for g in self.gpus.split(",") if g.strip())
 
   def check(self, section: str = "rollout.vllm"):
+    if self.per_host and section != "teacher.vllm":
+      raise UserError(f"{section}.per_host: only a served teacher's servers are per host (teacher.vllm.per_host);"
+                      " the rollout's servers are driven by process 0.")
     check_positive(f"{section}.tensor_parallel_size", self.tensor_parallel_size)
     check_positive(f"{section}.num_servers", self.num_servers)
     if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):

@@ -102,6 +102,19 @@ class Placement:
     assert sum(b - a for a, b in spans) == hi - lo, f"this process's rows are not contiguous: {sorted(spans)}"
     return slice(lo, hi)
 
+  def local_rows(self, x) -> np.ndarray:
+    """This process's rows (`rows`) of a batch array, on the host, without a collective; the whole array
+    in a single process."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return np.asarray(jax.device_get(x))
+    mine = self.rows(x.shape[0])
+    out = np.empty((mine.stop - mine.start, *x.shape[1:]), x.dtype)
+    for shard in x.addressable_shards:
+      first = shard.index[0]
+      at = slice((first.start or 0) - mine.start, (x.shape[0] if first.stop is None else first.stop) - mine.start)
+      out[(at, *shard.index[1:])] = np.asarray(shard.data)
+    return out
+
   def batch(self, local, n: int):
     """A global `[n, ...]` array, rows over the batch axes, from this process's rows `local`."""
     if self.mesh is None:

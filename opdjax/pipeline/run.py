@@ -104,6 +104,8 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
       side = deployment.engine_side(session.placement, session.student.cfg, cfg.rollout.devices)
       check_memory(side, session.student_params, cfg.rollout.async_depth, EngineView.parse(cfg.rollout.view))
     budget = load_run_budget(cfg.train.budget, session) if cfg.train.budget else None
+    if cfg.teacher.preflight:  # the served teacher admitted against the budget before anything is trained
+      _preflight(session)
     return _train(session, out_dir, ckpt_dir, resuming, fallback, progress, budget)
   except Interrupted as e:
     steps = [int(d) for d in os.listdir(os.path.join(ckpt_dir, "latest")) if d.isdigit()] \
@@ -112,6 +114,20 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
     raise Interrupted(e.step, f"interrupted during step {e.step}; the same command {where}.") from None
   finally:
     session.close()
+
+
+def _preflight(session: Session) -> None:
+  from opdjax.analyses.teacher_preflight import preflight, report
+
+  if jax.process_count() > 1:
+    raise UserError("teacher.preflight runs in one trainer process: run `opdjax admit --teacher` with this config"
+                    " first (one process), then the run with teacher.preflight off.")
+  result = preflight(session.cfg, session=session, progress=False)
+  print(report(result), file=sys.stderr)
+  if not result["admitted"]:
+    raise UserError("teacher.preflight refused the served teacher (the table above): a figure exceeds the run's"
+                    " mismatch budget. Serve the teacher at a higher precision, drop the replica that disagrees, or"
+                    " leave teacher.preflight off to train anyway. Nothing was trained.")
 
 
 def _resumable_changes(out_dir: str, old: dict, cfg: Config, early: bool = False) -> dict:

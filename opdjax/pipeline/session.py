@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 
 import jax
-import numpy as np
 
 from opdjax.config.schema import Config
 from opdjax.errors import UserError
 from opdjax.models import Model, save_hf_params
 from opdjax.parallel.devices import describe_engine, engine_mesh
 from opdjax.parallel.placement import Placement
-from opdjax.pipeline.build import load_model, make_task, route_targets, teacher_folder
+from opdjax.pipeline.build import load_model, make_task
 from opdjax.pipeline.heldout import HeldOut
+from opdjax.pipeline.teacher import Teacher
 from opdjax.rollout import RolloutEngine
-from opdjax.rollout.deploy import Deployment, build, jax_engines, plan, serve_teacher
+from opdjax.rollout.deploy import Deployment, build, jax_engines, plan
 from opdjax.rollout.jax.cache import EngineCache
 from opdjax.scoring.mismatch import exact_kl
 from opdjax.scoring.rescore import batch_from_rollout, masked_mean
@@ -98,20 +97,16 @@ class Session:
     trainer_devices = None if self.deployment.trainer_devices is None else list(self.deployment.trainer_devices)
     self.engine_devices = None if self.deployment.engine_devices is None else list(self.deployment.engine_devices)
     self.task = make_task(cfg)
-    # teacher.serve='vllm': its servers (one ServedTeacher a route, by tag; None: the one teacher), started at
-    # the first scoring (they write logs)
-    self.served_teachers: dict = {}
-    self._reference = None  # the served teacher at the trainer's precision, for teacher.check_every
-    self.routes: dict = {}  # teacher.routes: tag -> (its teacher's folder or None, its server's URL or None)
-    self._teacher_lock = threading.Lock()
-    if cfg.teacher.serve == "vllm":  # the trainer holds no teacher parameters at all
-      self.teacher_dir, teacher_cfg = teacher_folder(cfg, self.task)
-      self.routes = route_targets(cfg, self.task)
+    self.student, self.student_params = load_model("student", cfg, self.task)
+    # Where the teacher scores (opdjax.pipeline.teacher): a served teacher's trainer holds no teacher params.
+    self.teacher_side = Teacher(cfg, self.deployment, self.task, vocab_size=self.student.cfg.vocab_size,
+                                placement=None, out_dir=out_dir)
+    if self.teacher_side.served:
       self.clean_teacher, self.clean_teacher_params = None, None
+      teacher_cfg = self.teacher_side.model_cfg
     else:
       self.clean_teacher, self.clean_teacher_params = load_model("teacher", cfg, self.task)
       teacher_cfg = self.clean_teacher.cfg
-    self.student, self.student_params = load_model("student", cfg, self.task)
     check_vocab(self.student.cfg.vocab_size, teacher_cfg.vocab_size)
     def note(trainer_mesh) -> str:  # the start-up line says where the engine samples
       if not self.engine_devices:
@@ -127,6 +122,7 @@ class Session:
         cfg.mesh, models,
         {"rollout.batch_size": cfg.rollout.batch_size, "task.num_eval": len(self.task.eval_set()[0])},
         devices=trainer_devices, note=note)
+    self.teacher_side.placement = self.placement
     self.student_params = self.placement.params(self.student_params)
     if self.clean_teacher_params is not None:
       self.clean_teacher_params = self.placement.params(self.clean_teacher_params)
@@ -147,64 +143,9 @@ class Session:
     self.held_out = HeldOut(self.student, self.teacher, self.task, self.sampling, cfg.loss.chunk, cfg.seed,
                             {"max_len": cfg.rollout.max_len, "pad_id": self.task.pad_id,
                              "eos_ids": self.task.eos_ids, "placement": self.placement},
-                            served=self.score_teacher if cfg.teacher.serve == "vllm" else None)
+                            served=self.teacher_side.score if self.teacher_side.served else None)
     self._steps: dict = {}
     self._optimizers: dict = {}
-
-  def score_teacher(self, rollout, refs=None) -> dict:
-    """A served teacher's answer on `rollout`, in the batch's layout (opdjax.rollout.vllm.teacher); its
-    servers start (or are attached to) at the first call. With teacher.routes each row goes to the teacher
-    of its prompt's tag (`refs`: the training batch's, as the task gave them; None: the held-out prompts)."""
-    with self._teacher_lock:  # the asynchronous producer and the held-out evaluation both score
-      if not self.served_teachers:
-        self._start_teachers()
-    if not self.routes:
-      return self.served_teachers[None].score(rollout)
-    tags = np.asarray(self.task.tags(refs), dtype=object)
-    out = None
-    for tag, teacher in self.served_teachers.items():
-      rows = np.flatnonzero(tags == tag)
-      if not len(rows):
-        continue
-      answer = teacher.score(jax.tree.map(lambda x, rows=rows: x[rows], rollout))
-      if out is None:
-        out = {k: np.zeros((len(tags), *v.shape[1:]), v.dtype) for k, v in answer.items()}
-      for k, v in answer.items():
-        out[k][rows] = v
-    return out
-
-  def _start_teachers(self) -> None:
-    if self.out_dir is None:
-      raise UserError("teacher.serve='vllm' needs an output folder for its servers' logs (opdjax train --out).")
-    kw = {"vocab_size": self.student.cfg.vocab_size, "out_dir": self.out_dir,
-          "batch_size": max(self.cfg.rollout.batch_size, len(self.task.eval_set()[0]))}
-    try:
-      if not self.routes:
-        self.served_teachers[None] = serve_teacher(self.deployment, self.cfg, self.teacher_dir, **kw)
-      for tag, (folder, url) in self.routes.items():
-        self.served_teachers[tag] = serve_teacher(self.deployment, self.cfg, folder, url=url, name=f"teacher-{tag}",
-                                                  **kw)
-    except BaseException:
-      self._close_teachers()
-      raise
-
-  def _close_teachers(self) -> None:
-    for teacher in self.served_teachers.values():
-      teacher.close()
-    self.served_teachers.clear()
-
-  def check_teacher(self, batch, answer) -> dict[str, float]:
-    """`teacher_mismatch_*` of a served teacher's `answer` on `batch` against the same teacher at the trainer's
-    precision (opdjax.training.teacher_check), its params loaded for this check only and dropped after."""
-    from opdjax.models import load_hf_params
-    from opdjax.models.config import ModelConfig
-    from opdjax.training.teacher_check import teacher_deviation
-
-    if self._reference is None:  # the Model alone (no params): the check compiles once
-      ref_cfg = ModelConfig.from_pretrained(self.teacher_dir)
-      self._reference = Model(ref_cfg.replace(dtype=self.cfg.model.dtype))
-    params = self.placement.params(load_hf_params(self.teacher_dir, self._reference.cfg))
-    return {k: float(v) for k, v in teacher_deviation(self._reference, params, batch, answer).items()}
 
   # --- compiled pieces, built on first use ---
 
@@ -274,4 +215,4 @@ class Session:
 
   def close(self) -> None:
     self.engines.close()
-    self._close_teachers()
+    self.teacher_side.close()

@@ -20,6 +20,7 @@ from opdjax.errors import UserError
 from opdjax.pipeline.session import Session
 from opdjax.rollout import Rollout
 from opdjax.scoring.rescore import batch_from_rollout
+from opdjax.training.loss import PLACEMENT_NAMES
 from opdjax.views.history import ParamsHistory
 from opdjax.views.view import EngineView
 
@@ -148,16 +149,16 @@ def rescore_batch(rollout: Rollout):
 
 
 class OpdObjective:
-  """Re-score the rollout with student and teacher, one jitted step on the OPD loss. With
-  rollout.teacher_scoring='engine' the rollout brings the teacher's hidden states (ScoredRollout, from
-  the engine's process) and the batch carries them: the step skips the teacher's layers. With
-  teacher.serve='vllm' the teacher's servers score the rollout here, where it was sampled (the
-  asynchronous producer's thread: scoring overlaps training), and the batch carries their answer."""
+  """Re-score the rollout with student and teacher, one jitted step on the OPD loss, the teacher where the
+  run places it (opdjax.pipeline.teacher): in the trainer, the step runs its layers; on the engine's side,
+  the rollout brings the teacher's hidden states (ScoredRollout, from the engine's process) and the batch
+  carries them (the step skips the teacher's layers); served, its servers score the rollout here, where it
+  was sampled (the asynchronous producer's thread: scoring overlaps training), and the batch carries their
+  answer."""
 
   def __init__(self, session: Session):
     self.session, self.step_fn = session, session.train_step("opd")
-    self.engine_scored = session.cfg.rollout.teacher_scoring == "engine"
-    self.served = session.cfg.teacher.serve == "vllm"
+    self.teacher = session.teacher_side
     self.check_every = session.cfg.teacher.check_every
 
   def prepare(self, rollout: Rollout, refs, step: int):
@@ -165,14 +166,16 @@ class OpdObjective:
     teacher.check_every divides: the same steps in a resumed run, and none shifted by rollouts the guard
     drops."""
     batch, check = rescore_batch(rollout), {}
-    if self.served:
-      answer = self.session.score_teacher(rollout, refs)
-      if self.session.routes:
-        check.update(route_metrics(self.session.task.tags(refs), answer["teacher_logprobs"], batch["loss_mask"]))
+    if self.teacher.served:
+      answer = self.teacher.score(rollout, refs)
+      if self.teacher.routes:  # (behind several processes: host copies of every row, a collective)
+        host = self.session.placement.host
+        check.update(route_metrics(self.session.task.tags(refs), host(answer["teacher_logprobs"]),
+                                   host(batch["loss_mask"])))
       if self.check_every and (step + 1) % self.check_every == 0:  # teacher.check_every: the served teacher's own
-        check.update(self.session.check_teacher(batch, answer))
+        check.update(self.teacher.check(batch, answer))
       batch = {**batch, **answer}
-    if self.engine_scored:
+    if self.teacher.kind == "engine":
       hidden = getattr(rollout, "teacher_hidden", None)
       if hidden is None:  # the config checks rule this out; an engine built around them would land here
         raise RuntimeError("rollout.teacher_scoring='engine', but the rollout engine returned no teacher hidden"
@@ -194,12 +197,11 @@ class GrpoObjective:
   def __init__(self, session: Session):
     from opdjax.training import grpo
 
-    if session.cfg.rollout.teacher_scoring == "engine":
-      raise UserError("rollout.teacher_scoring='engine' has the engine score the teacher for the OPD loss; GRPO has"
-                      " no teacher: leave rollout.teacher_scoring='trainer' for the GRPO objective.")
-    if session.cfg.teacher.serve == "vllm":
-      raise UserError("teacher.serve='vllm' serves the teacher for the OPD loss; GRPO has no teacher: leave"
-                      " teacher.serve='trainer' for the GRPO objective.")
+    where = session.cfg.teacher_placement
+    if where != "trainer":
+      raise UserError(f"the teacher is placed {PLACEMENT_NAMES[where]} to score for the OPD"
+                      " loss; GRPO has no teacher: leave teacher.serve='trainer' and"
+                      " rollout.teacher_scoring='trainer' for the GRPO objective.")
     self.grpo, self.session, self.step_fn = grpo, session, session.train_step("grpo")
 
   def prepare(self, rollout: Rollout, refs, step: int):

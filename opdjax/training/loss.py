@@ -41,7 +41,6 @@ from opdjax.errors import UserError
 from opdjax.rollout.base import SamplingParams
 from opdjax.rollout.sampling import sampling_logprobs
 
-OBJECTIVES = ("sampled_rkl", "full_rkl", "topk_rkl", "forward_kl", "jsd")
 IS_MODES = ("none", "tis", "mis")
 BASELINES = ("none", "loo")
 
@@ -59,7 +58,7 @@ class LossConfig:
   chunk: int = 256  # sequence positions per chunk of [B, chunk, V] logits
 
   def __post_init__(self):
-    if self.kind not in OBJECTIVES:
+    if self.kind not in OBJECTIVES:  # the registry below: an unregistered kind never reaches the step
       raise UserError(f"loss.kind={self.kind!r}; choose one of {', '.join(OBJECTIVES)}.")
     if self.is_correction not in IS_MODES:
       raise UserError(f"loss.is_correction={self.is_correction!r}; choose one of {', '.join(IS_MODES)}.")
@@ -95,7 +94,6 @@ def _topk_rkl(logp_s, logp_t, cfg: LossConfig):
   return inside + jnp.where(finite, jnp.exp(tail_s) * (tail_s - tail_t), 0.0)
 
 
-SERVED_OBJECTIVES = ("sampled_rkl", "topk_rkl")  # what a served teacher's answer (opdjax.rollout.vllm.teacher) feeds
 SERVED_KEYS = ("teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")
 # The teacher's tail mass outside its returned top-K is 1 - sum(top-K probabilities), floored here: a server's
 # fp32 log-prob of a likely token is logit - logsumexp, both of order 10, so it carries an absolute error of
@@ -134,22 +132,10 @@ def served_terms(logits_s, teacher: dict, targets, cfg: LossConfig, mask=None) -
   logp_s = jax.nn.log_softmax(logits_s.astype(jnp.float32), axis=-1)
   lp_s = jnp.take_along_axis(logp_s, targets[..., None], axis=-1)[..., 0]
   lp_t = jax.lax.stop_gradient(teacher["teacher_logprobs"].astype(jnp.float32))
-  if cfg.kind == "sampled_rkl":
-    term = _sampled_rkl(logp_s, lp_s, lp_t, mask, cfg)
-  elif cfg.kind == "topk_rkl":
-    ids = teacher["teacher_topk_ids"]
-    lpt_k = jax.lax.stop_gradient(teacher["teacher_topk_logprobs"].astype(jnp.float32))
-    lps_k = jnp.take_along_axis(logp_s, ids, axis=-1)
-    inside = jnp.sum(jnp.exp(lps_k) * (lps_k - lpt_k), axis=-1)
-    in_s = jnp.put_along_axis(jnp.zeros(logp_s.shape, bool), ids, True, axis=-1, inplace=False)
-    tail_s = jax.nn.logsumexp(jnp.where(in_s, -jnp.inf, logp_s), axis=-1)
-    tail_t = jnp.log(jnp.maximum(mass_outside(lpt_k), TAIL_FLOOR))
-    present = jnp.isfinite(tail_s)
-    tail_s = jnp.where(present, tail_s, 0.0)
-    term = inside + jnp.where(present, jnp.exp(tail_s) * (tail_s - tail_t), 0.0)
-  else:
-    raise UserError(f"loss.kind={cfg.kind!r} needs the teacher's whole distribution, which a served teacher does not"
-                    f" return: use one of {', '.join(SERVED_OBJECTIVES)}, or teacher.serve='trainer'.")
+  served = OBJECTIVES[cfg.kind].served
+  if served is None:  # the config's check refuses this first (Config.check, teacher placements)
+    raise UserError(refusal("served", cfg))
+  term = served(logp_s, lp_s, lp_t, teacher, mask, cfg)
   entropy = -jnp.sum(jnp.exp(logp_s) * logp_s, axis=-1)
   return {"term": term, "reverse_kl": jax.lax.stop_gradient(lp_s - lp_t), "entropy": jax.lax.stop_gradient(entropy),
           "trainer_logprobs": lp_s, "teacher_logprobs": lp_t}
@@ -164,6 +150,114 @@ def mass_outside(logp_k):
   return -jnp.expm1(top[..., 0] + jnp.log1p(others))
 
 
+def _served_topk_rkl(logp_s, teacher: dict):
+  """`topk_rkl` from a served teacher's top-K (see `served_terms`)."""
+  ids = teacher["teacher_topk_ids"]
+  lpt_k = jax.lax.stop_gradient(teacher["teacher_topk_logprobs"].astype(jnp.float32))
+  lps_k = jnp.take_along_axis(logp_s, ids, axis=-1)
+  inside = jnp.sum(jnp.exp(lps_k) * (lps_k - lpt_k), axis=-1)
+  in_s = jnp.put_along_axis(jnp.zeros(logp_s.shape, bool), ids, True, axis=-1, inplace=False)
+  tail_s = jax.nn.logsumexp(jnp.where(in_s, -jnp.inf, logp_s), axis=-1)
+  tail_t = jnp.log(jnp.maximum(mass_outside(lpt_k), TAIL_FLOOR))
+  present = jnp.isfinite(tail_s)
+  tail_s = jnp.where(present, tail_s, 0.0)
+  return inside + jnp.where(present, jnp.exp(tail_s) * (tail_s - tail_t), 0.0)
+
+
+def _jsd(logp_s, logp_t, cfg: LossConfig):
+  b = cfg.jsd_beta
+  logm = jnp.logaddexp(jnp.log(b) + logp_t, jnp.log1p(-b) + logp_s)
+  return b * _kl(logp_t, logm) + (1 - b) * _kl(logp_s, logm)
+
+
+# What a teacher placement gives the objective, per position (the teacher seam, opdjax.pipeline.teacher,
+# says which placement a run has): the trainer's own teacher and the engine side's hidden states give its
+# whole distribution; a vLLM server gives the sampled token's log-prob and its own top-K (prompt_logprobs).
+SAMPLED, TOPK, STUDENT_IDS, FULL = "sampled-token log-prob", "teacher top-K", "log-probs at student-chosen ids", \
+    "full distribution"
+PROVIDES = {
+    "trainer": frozenset({SAMPLED, TOPK, STUDENT_IDS, FULL}),
+    "engine": frozenset({SAMPLED, TOPK, STUDENT_IDS, FULL}),  # hidden states: the trainer applies the head
+    "served": frozenset({SAMPLED, TOPK}),
+}
+PLACEMENT_NAMES = {"trainer": "in the trainer (teacher.serve=trainer)",
+                   "engine": "on the engine's side (rollout.teacher_scoring=engine)",
+                   "served": "served by vLLM (teacher.serve=vllm)"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """One registered objective: what it needs from the teacher (`needs(cfg)`: a set of PROVIDES' items),
+  its per-token term from both distributions (`term(logp_s, logp_t, lp_s, lp_t, rkl, mask, cfg)`) and,
+  where a served teacher's answer suffices, from that answer (`served(logp_s, lp_s, lp_t, teacher, mask,
+  cfg)`; None: it needs more than a server returns)."""
+
+  name: str
+  needs: object
+  term: object
+  served: object = None
+
+
+OBJECTIVES: dict[str, Objective] = {}
+
+
+def register(objective: Objective) -> Objective:
+  if objective.name in OBJECTIVES:
+    raise ValueError(f"objective {objective.name!r} is registered twice")
+  OBJECTIVES[objective.name] = objective
+  return objective
+
+
+register(Objective("sampled_rkl", lambda cfg: frozenset({SAMPLED}),
+                   lambda logp_s, logp_t, lp_s, lp_t, rkl, m, cfg: _sampled_rkl(logp_s, lp_s, lp_t, m, cfg),
+                   lambda logp_s, lp_s, lp_t, teacher, m, cfg: _sampled_rkl(logp_s, lp_s, lp_t, m, cfg)))
+register(Objective("full_rkl", lambda cfg: frozenset({FULL}), lambda logp_s, logp_t, lp_s, lp_t, rkl, m, cfg: rkl))
+register(Objective("topk_rkl", lambda cfg: frozenset({TOPK if cfg.topk_support == "teacher" else STUDENT_IDS}),
+                   lambda logp_s, logp_t, lp_s, lp_t, rkl, m, cfg: _topk_rkl(logp_s, logp_t, cfg),
+                   lambda logp_s, lp_s, lp_t, teacher, m, cfg: _served_topk_rkl(logp_s, teacher)))
+register(Objective("forward_kl", lambda cfg: frozenset({FULL}),
+                   lambda logp_s, logp_t, lp_s, lp_t, rkl, m, cfg: _kl(logp_t, logp_s)))
+register(Objective("jsd", lambda cfg: frozenset({FULL}),
+                   lambda logp_s, logp_t, lp_s, lp_t, rkl, m, cfg: _jsd(logp_s, logp_t, cfg)))
+
+
+def feeds(placement: str, cfg: LossConfig) -> bool:
+  """The teacher `placement` (a PROVIDES key) gives what objective `cfg` needs (a registered term too)."""
+  objective = OBJECTIVES[cfg.kind]
+  return objective.needs(cfg) <= PROVIDES[placement] and (placement != "served" or objective.served is not None)
+
+
+def fed_by(placement: str) -> list[str]:
+  """The objectives (with their default settings) a teacher `placement` feeds."""
+  return [k for k in OBJECTIVES if feeds(placement, LossConfig(kind=k))]
+
+
+def refusal(placement: str, cfg: LossConfig) -> str | None:
+  """One line refusing objective `cfg` with the teacher `placement`, naming what this placement can feed;
+  None when it feeds it."""
+  if feeds(placement, cfg):
+    return None
+  missing = sorted(OBJECTIVES[cfg.kind].needs(cfg) - PROVIDES[placement]) or ["answer in a form it takes (no served"
+                                                                             " term is registered)"]
+  what = f"loss.kind={cfg.kind!r}" + (f" with loss.topk_support={cfg.topk_support!r}" if cfg.kind == "topk_rkl" else "")
+  return (f"{what} needs the teacher's {' and '.join(missing)}, which a teacher {PLACEMENT_NAMES[placement]} does"
+          f" not give; this placement feeds {', '.join(fed_by(placement))} (loss.topk_support='teacher'), or move the"
+          " teacher (teacher.serve=trainer).")
+
+
+def placement_table() -> str:
+  """Which objective each teacher placement feeds (`opdjax plan`, `opdjax train --help`, docs/objectives.md)."""
+  cols = list(PROVIDES)
+  rows = [("objective", *cols)]
+  for kind in OBJECTIVES:
+    for support in (("teacher", "student") if kind == "topk_rkl" else ("teacher",)):
+      cfg = LossConfig(kind=kind, topk_support=support)
+      name = kind + (f" (support={support})" if kind == "topk_rkl" else "")
+      rows.append((name, *("yes" if feeds(c, cfg) else "no" for c in cols)))
+  width = [max(len(r[i]) for r in rows) for i in range(len(cols) + 1)]
+  return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, width)).rstrip() for r in rows)
+
+
 def per_token_terms(logits_s, logits_t, targets, cfg: LossConfig, mask=None) -> dict[str, jax.Array]:
   """Per-position objective term and diagnostics from `[..., V]` logits.
 
@@ -174,18 +268,7 @@ def per_token_terms(logits_s, logits_t, targets, cfg: LossConfig, mask=None) -> 
   lp_s = jnp.take_along_axis(logp_s, targets[..., None], axis=-1)[..., 0]
   lp_t = jnp.take_along_axis(logp_t, targets[..., None], axis=-1)[..., 0]
   rkl = _kl(logp_s, logp_t)
-  if cfg.kind == "sampled_rkl":
-    term = _sampled_rkl(logp_s, lp_s, lp_t, mask, cfg)
-  elif cfg.kind == "full_rkl":
-    term = rkl
-  elif cfg.kind == "topk_rkl":
-    term = _topk_rkl(logp_s, logp_t, cfg)
-  elif cfg.kind == "forward_kl":
-    term = _kl(logp_t, logp_s)
-  else:
-    b = cfg.jsd_beta
-    logm = jnp.logaddexp(jnp.log(b) + logp_t, jnp.log1p(-b) + logp_s)
-    term = b * _kl(logp_t, logm) + (1 - b) * _kl(logp_s, logm)
+  term = OBJECTIVES[cfg.kind].term(logp_s, logp_t, lp_s, lp_t, rkl, mask, cfg)
   entropy = -jnp.sum(jnp.exp(logp_s) * logp_s, axis=-1)
   return {"term": term, "reverse_kl": jax.lax.stop_gradient(rkl), "entropy": jax.lax.stop_gradient(entropy),
           "trainer_logprobs": lp_s, "teacher_logprobs": lp_t}

@@ -6,6 +6,9 @@ of the rollout (TIS, MIS) touches it; the student is pulled toward the served te
 
 On the batch's completion targets (the loss mask), with Δ = log p_served(y) - log p_ref(y):
 - `teacher_mismatch_abs_mean`, `teacher_mismatch_abs_max`: mean and max |Δ| on the sampled tokens.
+- `teacher_mismatch_half_sq`: the mean of Δ²/2, the second-order estimate of the KL between the two
+  teachers on these positions (KL(p || q) ≈ E[(log p - log q)²]/2 for nearby p, q): the teacher-side
+  deviation on the scale of a mismatch budget (opdjax.analyses.teacher_preflight).
 - with the served top-K (topk_rkl): `teacher_mismatch_topk_overlap`, the mean share of the served top-K that
   the reference's top-K holds too; `teacher_mismatch_topk_kl`, KL(served || reference) over the served
   top-K plus one tail bucket a side (the loss's own rule, opdjax.training.loss.served_terms).
@@ -48,7 +51,8 @@ def teacher_deviation(ref: Model, ref_params, batch: TrainBatch, answer: dict) -
   lpt = answer.get("teacher_topk_logprobs", jnp.zeros(ids.shape, jnp.float32))
   lp, overlap, kl = chunked_over_positions(per_chunk, 64, h, batch["targets"], ids, lpt)
   delta = jnp.abs(answer["teacher_logprobs"] - lp) * mask
-  out = {"teacher_mismatch_abs_mean": masked_mean(delta, mask), "teacher_mismatch_abs_max": jnp.max(delta)}
+  out = {"teacher_mismatch_abs_mean": masked_mean(delta, mask), "teacher_mismatch_abs_max": jnp.max(delta),
+         "teacher_mismatch_half_sq": masked_mean(0.5 * delta**2, mask)}
   if k:
     out["teacher_mismatch_topk_overlap"] = masked_mean(overlap, mask)
     out["teacher_mismatch_topk_kl"] = masked_mean(kl, mask)

@@ -38,6 +38,7 @@ from multiprocessing import connection, resource_tracker, shared_memory
 import numpy as np
 
 from opdjax.errors import UserError
+from opdjax.rollout import children
 from opdjax.rollout.base import Capabilities, Rollout, RolloutEngine, SamplingParams, ScoredRollout, WeightUpdate
 from opdjax.rollout.cores import TRAINER
 
@@ -76,21 +77,14 @@ class JaxSidecarEngine(RolloutEngine):
     key = os.urandom(16)
     listener = connection.Listener(os.path.join(self._dir, "socket"), family="AF_UNIX", authkey=key)
     env = {**os.environ, ADDRESS_ENV: listener.address, KEY_ENV: key.hex(), "JAX_NUM_CPU_DEVICES": "1",
-           "JAX_PLATFORMS": "cpu", "OPDJAX_PARENT_PID": str(os.getpid())}
+           "JAX_PLATFORMS": "cpu"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))), env.get("PYTHONPATH", "")]))
     TRAINER.acquire(self.trainer_cpus)
     try:
-      # Forked under the sidecar's mask (this thread takes it just for the fork; no preexec_fn: JAX's
-      # threads make a Python-level fork unsafe), which the child and its threads inherit.
-      mask = sorted(os.sched_getaffinity(0))
-      os.sched_setaffinity(0, self.cpus)
-      try:
-        with open(self.log_path, "ab") as log:
-          self._proc = subprocess.Popen([sys.executable, "-c", _ARMED], env=env, stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=subprocess.STDOUT)
-      finally:
-        os.sched_setaffinity(0, mask)
+      with open(self.log_path, "ab") as log:  # forked under the sidecar's cores, which it and its threads inherit
+        self._proc = children.popen([sys.executable, "-c", _ARMED], env=env, cpus=self.cpus, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT)
       self._conn = self._accept(listener, startup_timeout_s)
       teacher_cfg = None if teacher is None else dataclasses.asdict(teacher[0].cfg)
       self._call(("init", dataclasses.asdict(model_cfg), max_len, pad_id, tuple(eos_ids), teacher_cfg))
@@ -341,12 +335,8 @@ def _serve(conn) -> None:
 # How the engine starts the sidecar: SIGKILL when the trainer dies (even by SIGKILL), armed before
 # anything is imported (JAX's import takes a second): no orphan on its cores, and no graceful path that
 # could hang on a socket nobody reads; the sidecar holds nothing a clean exit would save. Linux only.
-_ARMED = (
-    "import ctypes, os, runpy, signal\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(os.environ['OPDJAX_PARENT_PID']): os._exit(1)  # the trainer died before\n"
-    f"runpy.run_module({__name__!r}, run_name='__main__', alter_sys=True)\n"
-)
+_ARMED = children.armed("SIGKILL", "os._exit(1)",
+                        f"import runpy\nrunpy.run_module({__name__!r}, run_name='__main__', alter_sys=True)\n")
 
 
 def main() -> int:

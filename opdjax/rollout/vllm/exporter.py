@@ -11,9 +11,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from opdjax.models.config import ModelConfig
+from opdjax.parallel.multihost import broadcast_json
 from opdjax.rollout.base import WeightUpdate
 from opdjax.rollout.vllm.probe import compile_probe, probe_prompt, probe_tolerance, probe_values
 from opdjax.rollout.vllm.weights import check_shared, export_dtype, params_mesh, write_folder
@@ -84,11 +84,7 @@ def shared_exporter(exporter: HfExporter | None) -> HfExporter | None:
   same on the others, its folder checked to be shared (one broadcast, a few barriers)."""
   if jax.process_count() == 1:
     return exporter
-  raw = json.dumps(exporter.describe() if exporter is not None else None).encode()
-  buf = np.zeros(1 << 16, np.uint8)
-  buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-  buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
-  desc = json.loads(bytes(buf[:int(np.flatnonzero(buf)[-1]) + 1]).decode())
+  desc = broadcast_json(exporter.describe() if exporter is not None else None)
   if desc is None:
     return None
   out = exporter if jax.process_index() == 0 else HfExporter.from_description(desc)

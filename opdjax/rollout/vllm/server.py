@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 
 from opdjax.errors import UserError
+from opdjax.rollout import children
 from opdjax.rollout.vllm import auth
 from opdjax.rollout.vllm.client import LOGPROBS_MODE, VllmError, http_json
 
@@ -34,11 +35,9 @@ INSTALL_HINT = "install it with `bash scripts/install_vllm_cpu.sh` (CPU) or `pip
 # SIGTERM kept a server (and a GPU's memory) alive 30-120 s after its trainer died, long enough for a
 # requeued job's server to find the GPU full. `stop()`'s SIGTERM to the group still lets vLLM shut down
 # gracefully (the supervisor waits for it, then ends the group's stragglers) and its exit code is vLLM's.
-# Linux only; elsewhere atexit and `stop()` remain. Linux sends the signal when the *thread* that started
-# the child ends: start servers from a thread that lives as long as they should (the main thread, as
-# the loop does).
-_SUPERVISE = (
-    "import ctypes, os, signal, subprocess, sys\n"
+# Linux only; elsewhere atexit and `stop()` remain. The supervisor is forked by opdjax.rollout.children's
+# spawner thread, which lives as long as the trainer's process, whichever thread asks for the server.
+_SUPERVISE = children.armed("SIGUSR1", "kill_group()", setup=(
     "def kill_group(*_):\n"
     "  os.killpg(0, signal.SIGKILL)  # this process too: nothing of the server outlives the trainer\n"
     "def stragglers():\n"
@@ -50,13 +49,13 @@ _SUPERVISE = (
     "    except (OSError, ValueError, IndexError):\n"
     "      pass\n"
     "signal.signal(signal.SIGUSR1, kill_group)\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGUSR1)  # PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(os.environ['OPDJAX_PARENT_PID']): kill_group()\n"
+), body=(
+    "import subprocess, sys\n"
     "signal.signal(signal.SIGTERM, lambda *_: None)  # stop() signals the whole group: vLLM shuts down, this waits\n"
     "rc = subprocess.Popen([sys.executable, *sys.argv[1:]]).wait()\n"
     "stragglers()\n"
     "sys.exit(rc if rc >= 0 else 128 - rc)\n"
-)
+))
 
 # "(Worker pid=5712) ERROR 11-30 16:32:54 [multiproc_executor.py:1063] message": vLLM prefixes its child
 # processes' output with their name, and every line of a multi-line log record with its level and
@@ -67,6 +66,7 @@ _TRACEBACK = "Traceback (most recent call last):"
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
 
+KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)  # the supervisor's exit code: SIGKILLed, or its vLLM was
 _OPDJAX_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _STARTED: weakref.WeakSet = weakref.WeakSet()  # the servers this process started and has not stopped
 
@@ -261,7 +261,7 @@ class VllmServer:
     self._check_access()
     self._healthy = False  # (also after a process that died unstopped: `ready` waits for this one's /health)
     self._port = self.port or _free_port(self.host)
-    env = {**os.environ, **self.env, "VLLM_SERVER_DEV_MODE": "1", "OPDJAX_PARENT_PID": str(os.getpid())}
+    env = {**os.environ, **self.env, "VLLM_SERVER_DEV_MODE": "1"}
     if self.api_key:
       env["VLLM_API_KEY"] = self.api_key
     env.pop(auth.TOKEN_ENV, None)
@@ -279,8 +279,8 @@ class VllmServer:
       self._log_start = logf.tell()
       logf.write(f"\n=== opdjax: starting vLLM at {time.strftime('%F %T')}: {' '.join(self.command())}\n".encode())
       logf.flush()
-      self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True)
+      self._proc = children.popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
     atexit.register(self.stop)
     _STARTED.add(self)
     return self
@@ -291,6 +291,12 @@ class VllmServer:
       code = self._proc.poll()
       if code is not None:
         self.stop()
+        if code in KILLED:  # SIGKILL from outside: vLLM wrote nothing about it, its log's last error misleads
+          raise VllmError(f"the vLLM server was killed (SIGKILL, exit code {code}) while starting: by the"
+                          " out-of-memory killer (see `dmesg`) or another process, not by an error of its own."
+                          " Give it more memory (fewer servers, a smaller --max-model-len or KV cache:"
+                          f" cpu_kvcache_gib / gpu_memory_utilization), then run the same command. Its log:"
+                          f" {self.log_path}")
         raise VllmError(f"the vLLM server exited with code {code} while starting; {self.failure()}\n"
                         f"Fix the cause above (model path, vLLM flags, memory). If vllm is missing, {INSTALL_HINT}.")
       with contextlib.suppress(OSError, http.client.HTTPException):

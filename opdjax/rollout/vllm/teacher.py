@@ -31,6 +31,7 @@ from opdjax.rollout.vllm.launch import check_base_url, make_vllm_server, servers
 
 UNNORMALISED_MODES = ("raw_logits", "processed_logits")
 URL_PREFIXES = ("http://", "https://")  # a teacher.routes target that is a running server, not a folder
+PROBE_K = 20  # the top-K a teacher pre-flight asks for (opdjax.analyses.teacher_preflight); vLLM's default limit
 RETRIES = 2  # a connection error is tried again this many times (1 s, then 2 s later) before the run stops
 
 
@@ -44,12 +45,12 @@ class ServedTeacher:
 
   `vcfg`: the teacher's own VllmConfig (dtype, extra_args, ...). `topk`: 0 scores only the sampled token
   (sampled_rkl); K > 0 adds the teacher's top K per position (topk_rkl; the servers started here get
-  `--max-logprobs max(K, 1)`). `vocab_size`: the student's, which every server's must equal. Logs go to
+  `--max-logprobs max(K, PROBE_K)`). `vocab_size`: the student's, which every server's must equal. Logs go to
   OUT/vllm-NAME.log (OUT/vllm-NAME-I.log for several). `close()` stops the servers started here.
   """
 
-  def __init__(self, vcfg, model_dir: str, *, max_len: int, batch_size: int, topk: int, vocab_size: int,
-               out_dir: str, name: str = "teacher"):
+  def __init__(self, vcfg, model_dir: str | None, *, max_len: int, batch_size: int, topk: int, vocab_size: int,
+               out_dir: str, name: str = "teacher", token: str | None = None):
     if not 0 <= topk <= vocab_size:
       raise UserError(f"{name}: top-K={topk} must be between 0 (the sampled token only) and the vocabulary size"
                       f" {vocab_size}.")
@@ -66,7 +67,7 @@ class ServedTeacher:
         n = vcfg.num_servers
         self.servers = [make_vllm_server(vcfg, model_dir, max_len=max_len + 1, batch_size=batch_size,
                                          out_dir=out_dir, index=i if n > 1 else None, name=f"vllm-{name}",
-                                         extra_args=("--max-logprobs", str(max(topk, 1)))) for i in range(n)]
+                                         extra_args=("--max-logprobs", str(max(topk, PROBE_K)))) for i in range(n)]
         if servers_load_together(vcfg):
           for server in self.servers:
             server.launch()
@@ -74,8 +75,9 @@ class ServedTeacher:
           server.start()
         urls = [server.url for server in self.servers]
       self.urls = [u.rstrip("/") for u in urls]
-      # A server started here checks its own token (the job's); an attached one, the environment's.
-      self.clients = [VllmClient(u, api_key=vcfg.api_key or None, token=None if srv is None else srv.token or "")
+      # A server started here checks its own token (the job's); an attached one, `token` (another trainer
+      # process's servers) or the environment's.
+      self.clients = [VllmClient(u, api_key=vcfg.api_key or None, token=token if srv is None else srv.token or "")
                       for u, srv in zip(self.urls, self.servers, strict=True)]
       for client in self.clients:
         self._check(client)
@@ -84,6 +86,11 @@ class ServedTeacher:
       raise
     if len(self.clients) > 1:
       self._pool = cf.ThreadPoolExecutor(len(self.clients), thread_name_prefix=f"opdjax-{name}")
+
+  @property
+  def token(self) -> str | None:
+    """The token its servers check (what another trainer process attaches with)."""
+    return self.clients[0].token if self.clients else None
 
   def _check(self, client: VllmClient) -> None:
     check_server(client, self.name, topk=self.topk, max_len=self.max_len)

