@@ -74,9 +74,14 @@ def load_result(root: str, name: str) -> dict:
 
 
 def verify_digest(r: dict, where: str) -> None:
-  """A record carrying a `digest` (written with it by the command that ran, `reporting.record_digest`)
-  must still match it: a field changed afterwards is refused. The result inside (e.g. a
-  reproduction.json) is checked the same way when it carries its own."""
+  """Every result file carries a `digest`, written with it by the command's writer (`docs.py --refresh`, through
+  `reporting.record_digest`, the one helper that makes one), and must still match it: a field changed
+  afterwards, or a file no command signed, is refused. The result inside (e.g. a reproduction.json, which
+  scripts/reproduce.py signs itself) is checked the same way when it carries its own."""
+  if "digest" not in r and r.get("measured") == "fresh run":
+    raise DocsError(f"{where} carries no digest, so a hand edit would pass: re-run its command with"
+                    " `python scripts/docs.py --refresh NAME` (its writer signs it), or move the figure to"
+                    " docs/history.md")
   for rec, what in ((r, where), (r.get("result"), f"{where}'s result")):
     if isinstance(rec, dict) and "digest" in rec and rec["digest"] != reporting.record_digest(rec):
       raise DocsError(f"{what} was changed after its command wrote it (digest mismatch): re-run it with"

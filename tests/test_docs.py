@@ -113,25 +113,46 @@ def test_every_result_file_says_where_it_came_from():
     assert r["measured"] == "fresh run" or r["measured"].startswith("as recorded at commit "), path
 
 
-def test_a_result_changed_after_its_command_wrote_it_is_refused(tmp_path, capsys):
+def _bump(rec: dict, key: str) -> None:
+  rec[key] = rec[key] * 1.5 + 1  # one number, changed by hand
+
+
+@pytest.mark.parametrize("name, edit, redo_outer", [
+    # signed by its command's writer, `docs.py --refresh` (the outer digest only)
+    ("demo", lambda r: _bump(r["result"]["last"], "reverse_kl"), False),
+    ("kv_smollm2", lambda r: _bump(r["result"]["rows"][-1], "kv_tokens"), False),
+    # signed twice: scripts/reproduce.py signs its reproduction.json, docs.py --refresh the record around it;
+    # the run's own digest refuses the edit even with the outer one redone by hand
+    ("reproduction_addition", lambda r: _bump(r["result"], "wall_s"), False),
+    ("reproduction_addition", lambda r: _bump(r["result"], "wall_s"), True),
+    # a provenance field is inside the digest too
+    ("weight_sync", lambda r: r.update(commit="0000000"), False),
+])
+def test_a_number_edited_inside_a_rendered_result_file_fails_naming_the_file(tmp_path, capsys, name, edit,
+                                                                             redo_outer):
   from opdjax.analyses import reporting
 
   root = _copy(tmp_path)
-  path = root / "docs" / "results" / "reproduction_smollm2.json"
+  path = root / "docs" / "results" / f"{name}.json"
   r = json.loads(path.read_text())
-  r["result"]["digest"] = reporting.record_digest(r["result"])  # as scripts/reproduce.py writes it
-  r["digest"] = reporting.record_digest(r)  # as docs.py --refresh writes it
+  assert r["digest"] == reporting.record_digest(r)  # as its writer left it
+  edit(r)
+  if redo_outer:
+    r["digest"] = reporting.record_digest(r)
   path.write_text(json.dumps(r))
-  assert docs.main(["--check", "--root", str(root)]) == 0, capsys.readouterr().err
-  outer = json.loads(json.dumps(r))
-  outer["measured"] = "fresh run, edited"  # a provenance field changed by hand
-  inner = json.loads(json.dumps(r))
-  inner["result"]["claims"]["2"]["verdict"] = "does not hold"  # claim 2: the stage every run reaches first
-  inner["digest"] = reporting.record_digest(inner)  # even with the outer digest redone, the run's own refuses
-  for bad in (outer, inner):
-    path.write_text(json.dumps(bad))
-    assert docs.main(["--check", "--root", str(root)]) == 2
-    assert "was changed after its command wrote it" in capsys.readouterr().err
+  assert docs.main(["--check", "--root", str(root)]) == 2
+  err = capsys.readouterr().err
+  assert f"docs/results/{name}.json" in err and "was changed after its command wrote it" in err
+
+
+def test_a_result_file_no_command_signed_fails_naming_the_file(tmp_path, capsys):
+  root = _copy(tmp_path)
+  path = root / "docs" / "results" / "mismatch.json"
+  r = json.loads(path.read_text())
+  del r["digest"]
+  path.write_text(json.dumps(r))
+  assert docs.main(["--check", "--root", str(root)]) == 2
+  assert "docs/results/mismatch.json carries no digest" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- numbers outside markers
