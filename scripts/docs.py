@@ -78,7 +78,7 @@ def verify_digest(r: dict, where: str) -> None:
   `reporting.record_digest`, the one helper that makes one), and must still match it: a field changed
   afterwards, or a file no command signed, is refused. The result inside (e.g. a reproduction.json, which
   scripts/reproduce.py signs itself) is checked the same way when it carries its own."""
-  if "digest" not in r and r.get("measured") == "fresh run":
+  if "digest" not in r or r.get("measured") != "fresh run":
     raise DocsError(f"{where} carries no digest, so a hand edit would pass: re-run its command with"
                     " `python scripts/docs.py --refresh NAME` (its writer signs it), or move the figure to"
                     " docs/history.md")
@@ -348,6 +348,10 @@ def check(root: str, demo_run: str | None = None) -> list[str]:
   if run and not any(b.name.startswith("demo.") for p in doc_files(root)
                     for b in blocks(open(os.path.join(root, p)).read(), p)):
     errors.append("README.md: no docs.py:demo.line block to compare the demo run with")
+  rendered = {b.name.partition(".")[0] for p in doc_files(root) for b in blocks(open(os.path.join(root, p)).read(), p)}
+  errors += [f"docs/results/{n}.json: no page renders it (render it, or move it to docs/history.md and delete it)"
+             for n in sorted(os.path.basename(f)[:-5] for f in glob.glob(result_path(root, "*")))
+             if n not in rendered]
   errors += docs_numbers.check(root, doc_files(root)) + check_code_paths(root)
   return errors + check_pngs(root)
 
