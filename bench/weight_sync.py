@@ -251,7 +251,7 @@ def main():
       "load_average": {"start": [round(x, 2) for x in load0], "end": [round(x, 2) for x in os.getloadavg()],
                        "cores": os.cpu_count()},
       "wall_s": round(time.time() - t0, 1)})
-  from docs_figures import weight_sync_headline, weight_sync_table  # the renderers BENCHMARKS.md's section uses
+  from docs_render.pages.benchmarks import weight_sync_headline, weight_sync_table  # BENCHMARKS.md's renderers
 
   print(weight_sync_table({"result": result}))
   print(weight_sync_headline({"result": result}))

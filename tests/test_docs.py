@@ -1,4 +1,5 @@
-"""scripts/docs.py: the repository's rendered figures equal their result files, and a hand edit fails."""
+"""scripts/docs.py and its package scripts/docs_render: the repository's rendered figures equal their result
+files, and a hand edit fails."""
 
 import importlib.util
 import json
@@ -13,6 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("docs_script", os.path.join(ROOT, "scripts", "docs.py"))
 docs = sys.modules["docs_script"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
 spec.loader.exec_module(docs)
+from docs_render import core  # noqa: E402  (scripts/ is on the path once docs.py is loaded)
+from docs_render import numbers as docs_numbers  # noqa: E402
 
 
 def _copy(tmp_path):
@@ -30,7 +33,7 @@ def _demo_line(root) -> tuple[int, str]:
 
 def test_check_passes_on_the_repository(capsys):
   assert docs.main(["--check"]) == 0, capsys.readouterr().err
-  blocks = [b for p in docs.doc_files(ROOT) for b in docs.blocks(open(os.path.join(ROOT, p)).read(), p)]
+  blocks = [b for p in core.doc_files(ROOT) for b in core.blocks(open(os.path.join(ROOT, p)).read(), p)]
   assert any(b.name == "demo.line" and b.path == "README.md" for b in blocks)
 
 
@@ -70,7 +73,7 @@ def test_a_table_cell_edit_names_its_own_line(tmp_path, capsys):
 def test_demo_run_must_equal_the_readme_line(tmp_path, capsys, monkeypatch):
   recorded = json.load(open(os.path.join(ROOT, "docs", "results", "demo.json")))
   result = recorded["result"]
-  monkeypatch.setattr(docs, "cpu_type", lambda: re.sub(r", \d+ cores,.*", "", recorded["machine"]))  # its CPU type
+  monkeypatch.setattr(core, "cpu_type", lambda: re.sub(r", \d+ cores,.*", "", recorded["machine"]))  # its CPU type
   recs = [{"step": 0, **result["first"]}, {"step": result["steps"], **result["last"], "elapsed_s": 1.0}]
   run = tmp_path / "run"
   run.mkdir()
@@ -84,7 +87,7 @@ def test_demo_run_must_equal_the_readme_line(tmp_path, capsys, monkeypatch):
   assert f"README.md:{n}: docs.py:demo.line says '{says}' where the demo run {run}/metrics.jsonl gives '0.500'" \
       in capsys.readouterr().err
   # On another CPU type the line is not compared (XLA rounds differently there), and the check says so.
-  monkeypatch.setattr(docs, "cpu_type", lambda: "Other CPU (x86 family 1 model 1), AVX2")
+  monkeypatch.setattr(core, "cpu_type", lambda: "Other CPU (x86 family 1 model 1), AVX2")
   assert docs.main(["--check", "--demo-run", str(run)]) == 0
   err = capsys.readouterr().err
   assert f"the demo run {run} ran on Other CPU (x86 family 1 model 1), AVX2; the README's demo line was" \
@@ -108,35 +111,56 @@ def test_malformed_blocks_are_one_error_naming_the_line(tmp_path, capsys, edit, 
 
 def test_every_result_file_says_where_it_came_from():
   for path in os.listdir(os.path.join(ROOT, "docs", "results")):
-    r = docs.load_result(ROOT, path.removesuffix(".json"))
+    r = core.load_result(ROOT, path.removesuffix(".json"))
     assert r["command"] and r["commit"] and r["machine"] and r["date"], path
-    assert r["measured"] == "fresh run" or r["measured"].startswith("as recorded at commit "), path
+    assert r["measured"] == "fresh run", path
 
 
-def test_a_result_changed_after_its_command_wrote_it_is_refused(tmp_path, capsys):
+def _bump(rec: dict, key: str) -> None:
+  rec[key] = rec[key] * 1.5 + 1  # one number, changed by hand
+
+
+@pytest.mark.parametrize("name, edit, redo_outer", [
+    # signed by its command's writer, `docs.py --refresh` (the outer digest only)
+    ("demo", lambda r: _bump(r["result"]["last"], "reverse_kl"), False),
+    ("kv_smollm2", lambda r: _bump(r["result"]["rows"][-1], "kv_tokens"), False),
+    # signed twice: scripts/reproduce.py signs its reproduction.json, docs.py --refresh the record around it;
+    # the run's own digest refuses the edit even with the outer one redone by hand
+    ("reproduction_addition", lambda r: _bump(r["result"], "wall_s"), False),
+    ("reproduction_addition", lambda r: _bump(r["result"], "wall_s"), True),
+    # a provenance field is inside the digest too
+    ("weight_sync", lambda r: r.update(commit="0000000"), False),
+])
+def test_a_number_edited_inside_a_rendered_result_file_fails_naming_the_file(tmp_path, capsys, name, edit,
+                                                                             redo_outer):
   from opdjax.analyses import reporting
 
   root = _copy(tmp_path)
-  path = root / "docs" / "results" / "reproduction_smollm2.json"
+  path = root / "docs" / "results" / f"{name}.json"
   r = json.loads(path.read_text())
-  r["result"]["digest"] = reporting.record_digest(r["result"])  # as scripts/reproduce.py writes it
-  r["digest"] = reporting.record_digest(r)  # as docs.py --refresh writes it
+  assert r["digest"] == reporting.record_digest(r)  # as its writer left it
+  edit(r)
+  if redo_outer:
+    r["digest"] = reporting.record_digest(r)
   path.write_text(json.dumps(r))
-  assert docs.main(["--check", "--root", str(root)]) == 0, capsys.readouterr().err
-  outer = json.loads(json.dumps(r))
-  outer["measured"] = "fresh run, edited"  # a provenance field changed by hand
-  inner = json.loads(json.dumps(r))
-  inner["result"]["claims"]["2"]["verdict"] = "does not hold"  # claim 2: the stage every run reaches first
-  inner["digest"] = reporting.record_digest(inner)  # even with the outer digest redone, the run's own refuses
-  for bad in (outer, inner):
-    path.write_text(json.dumps(bad))
-    assert docs.main(["--check", "--root", str(root)]) == 2
-    assert "was changed after its command wrote it" in capsys.readouterr().err
+  assert docs.main(["--check", "--root", str(root)]) == 2
+  err = capsys.readouterr().err
+  assert f"docs/results/{name}.json" in err and "was changed after its command wrote it" in err
+
+
+def test_a_result_file_no_command_signed_fails_naming_the_file(tmp_path, capsys):
+  root = _copy(tmp_path)
+  path = root / "docs" / "results" / "mismatch.json"
+  r = json.loads(path.read_text())
+  del r["digest"]
+  path.write_text(json.dumps(r))
+  assert docs.main(["--check", "--root", str(root)]) == 2
+  assert "docs/results/mismatch.json carries no digest" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- numbers outside markers
 def test_the_forms_of_a_constant_are_not_numbers_and_a_measurement_is():
-  dn = docs.docs_numbers
+  dn = docs_numbers
   numbers = lambda text: dn.numbers(dn._outside_markers(text))  # noqa: E731
   assert numbers("qwen3-1.7b and SmolLM2-135M in fp32, k=1, on 2026-12-01 (#33), `--steps 800`, v2.4.6") == []
   assert numbers("- Date: 2026-11-29 20:17 UTC, 16:04-16:10, 18:05:59; node0:8476 at 1.5:1") == ["8476", "1.5", "1"]
@@ -162,12 +186,11 @@ def test_a_number_outside_markers_fails_naming_file_line_and_number(tmp_path, ca
 
 
 @pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
-def test_a_constant_edited_out_of_its_prose_phrase_fails(tmp_path, capsys):
-  """PROSE lets a phrase's own numbers through, verbatim only: the same sentence with another number is a
-  number outside markers again (README's demo config: 'Runs 1200 OPD steps')."""
+def test_a_constant_written_as_prose_fails(tmp_path, capsys):
+  """A constant is written as code (README's demo config: 'Runs `1200` OPD steps'); the same sentence with
+  the number as prose is a number outside markers, whatever its value."""
   root = _copy(tmp_path)
-  phrase = "Runs 1200 OPD steps"
-  assert phrase in docs.docs_numbers.PROSE["README.md"]
+  phrase = "Runs `1200` OPD steps"
   text = open(root / "README.md").read()
   n = next(i + 1 for i, t in enumerate(text.split("\n")) if phrase in t)
   open(root / "README.md", "w").write(text.replace(phrase, "Runs 1300 OPD steps", 1))
@@ -192,10 +215,13 @@ def test_a_png_that_is_not_its_result_files_drawing_fails(tmp_path, capsys):
 
 @pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
 def test_a_png_drawn_from_other_data_fails(tmp_path, capsys):
+  from opdjax.analyses import reporting
+
   root = _copy(tmp_path)
   path = root / "docs" / "results" / "prefix_shift.json"
   r = json.loads(path.read_text())
-  r["result"]["noise_floor"]["divergence"]["frac_diverged"] /= 2  # as if re-measured without redrawing
+  r["result"]["noise_floor"]["divergence"]["frac_diverged"] /= 2  # as if re-measured without redrawing:
+  r["digest"] = reporting.record_digest(r)  # its writer signs the new result
   path.write_text(json.dumps(r))
   assert docs.main(["--check", "--root", str(root)]) == 1
   assert f"{PNG}: not drawn from docs/results/prefix_shift.json as it is now" in capsys.readouterr().err
@@ -209,28 +235,33 @@ def test_a_png_no_result_file_draws_fails(tmp_path, capsys):
   assert "docs/figures/new_plot.png: no result file draws it" in capsys.readouterr().err
 
 
-def test_every_figure_from_a_recorded_result_says_so_where_it_is_rendered():
-  for p in docs.doc_files(ROOT):
-    text = open(os.path.join(ROOT, p)).read()
-    for b in docs.blocks(text, p):
-      r = docs.load_result(ROOT, b.name.partition(".")[0])
-      if r["measured"] != "fresh run":
-        assert f"recorded at commit {r['commit']} on {r['date']}, not re-measured" in text[b.start:b.end].lower(), \
-            (p, b.line, b.name)
+def test_every_rendered_result_file_is_a_signed_fresh_run_and_no_other_file_is_kept():
+  """No transcription ("as recorded at commit X") in the current docs: those live in docs/history.md."""
+  rendered = {b.name.partition(".")[0] for p in core.doc_files(ROOT)
+              for b in core.blocks(open(os.path.join(ROOT, p)).read(), p)}
+  files = {f.removesuffix(".json") for f in os.listdir(os.path.join(ROOT, "docs", "results"))}
+  assert files == rendered
+  for name in files:
+    r = core.load_result(ROOT, name)
+    assert r["measured"] == "fresh run" and r["digest"], name
+  history = open(os.path.join(ROOT, "docs", "history.md")).read()
+  assert "<!-- docs.py:" not in history  # the history renders nothing: it is kept, not a current figure
 
 
-def test_a_prose_phrase_lets_through_only_its_own_numbers(monkeypatch):
-  dn = docs.docs_numbers
-  monkeypatch.setitem(dn.PROSE, "page.md", {"Runs 1200 OPD steps": "the config"})
-  text = "Runs 1200 OPD steps in 41 s.\nRuns 1200 OPD steps.\n"
-  assert dn.unmarked(text, "page.md") == [(1, "Runs 1200 OPD steps in 41 s.", ["41"])]
-  assert [n for _, _, n in dn.unmarked(text, "other.md")] == [["1200", "41"], ["1200"]]
+def test_a_constant_as_code_is_not_a_number_and_the_history_is_not_checked(tmp_path):
+  dn = docs_numbers
+  assert [nums for _, _, nums in dn.unmarked("Runs `1200` OPD steps in 41 s.\n", "page.md")] == [["41"]]
+  (tmp_path / "docs").mkdir()
+  (tmp_path / "docs" / "history.md").write_text("2026-11-29: 41 s.\n")
+  (tmp_path / "docs" / "page.md").write_text("2026-11-29: 41 s.\n")
+  assert dn.check(str(tmp_path), ["docs/history.md"]) == []
+  assert len(dn.check(str(tmp_path), ["docs/page.md"])) == 1
 
 
 def test_a_list_numeral_is_not_a_number_but_a_wrapped_line_starting_with_one_is():
   """Markdown starts a numbered item after a blank line, another item or an indented line (or at 1. anywhere);
   a paragraph's wrapped line that happens to start with "11." is prose, and its number is checked."""
-  dn = docs.docs_numbers
+  dn = docs_numbers
   items = "Steps:\n\n1. build\n2. train\n   on the box\n3. evaluate\n"
   assert dn.unmarked(items, "page.md") == []
   wrapped = "The recipe keeps layers 2 and\n11. of the model in bf16.\n"
@@ -240,11 +271,11 @@ def test_a_list_numeral_is_not_a_number_but_a_wrapped_line_starting_with_one_is(
 def test_a_code_path_that_no_longer_exists_fails_naming_file_and_line(tmp_path):
   """A doc naming a module that a refactor moved (`opdjax/admission.py`, now under opdjax/analyses/) fails."""
   root = _copy(tmp_path)
-  assert docs.check_code_paths(str(root)) == []
+  assert core.check_code_paths(str(root)) == []
   page = root / "docs" / "admission.md"
   text = page.read_text()
   assert "`opdjax/analyses/admission.py`" in text
   page.write_text(text.replace("`opdjax/analyses/admission.py`", "`opdjax/admission.py`", 1))
   line = text[:text.index("`opdjax/analyses/admission.py`")].count("\n") + 1
-  assert docs.check_code_paths(str(root)) == [f"docs/admission.md:{line}: `opdjax/admission.py` is not a file of the"
+  assert core.check_code_paths(str(root)) == [f"docs/admission.md:{line}: `opdjax/admission.py` is not a file of the"
                                               " repository (moved? name where it is now)"]

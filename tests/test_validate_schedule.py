@@ -1,7 +1,7 @@
 """scripts/validate_schedule.py end to end at a tiny size: each layout's step predicted from another
 run's costs only (never its own), and the docs table rendered from the file it writes."""
 
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -12,12 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def docs_figures():
+  """scripts/docs_render's page module that renders the validation table."""
   sys.path.insert(0, os.path.join(ROOT, "scripts"))
   try:
-    spec = importlib.util.spec_from_file_location("docs_figures", os.path.join(ROOT, "scripts", "docs_figures.py"))
-    module = sys.modules["docs_figures"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("docs_render.pages.asynchronous")
   finally:
     sys.path.remove(os.path.join(ROOT, "scripts"))
 
