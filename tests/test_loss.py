@@ -380,6 +380,10 @@ def test_objectives_dispatch_through_the_registry_and_say_what_they_need():
   assert "this placement feeds sampled_rkl, topk_rkl" in L.refusal("served", LossConfig(kind="jsd"))
   table = L.placement_table().splitlines()
   assert table[0].split() == ["objective", "trainer", "engine", "served"] and len(table) == 1 + 6
+  import os
+
+  page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "served_teacher.md")).read()
+  assert f"```text\n{L.placement_table()}\n```" in page  # the docs' copy of the table is today's
   zs, zt = jnp.zeros((2, 3, 5)), jnp.ones((2, 3, 5))
   y = jnp.zeros((2, 3), jnp.int32)
   L.register(L.Objective("test_constant", lambda cfg: frozenset({L.SAMPLED}),

@@ -14,10 +14,11 @@ from .pages import (
   reproduction,
   scaling,
   sensitivity,
+  served_teacher,
 )
 
 PAGES = (readme, benchmarks, asynchronous, admission, kv_capacity, mismatch, prefix_shift, reproduction, scaling,
-         sensitivity)
+         sensitivity, served_teacher)
 FIGURES: dict[str, Figure] = {}
 for page in PAGES:
   assert not FIGURES.keys() & page.FIGURES.keys(), f"{page.__name__} names a figure another page does"
