@@ -118,6 +118,10 @@ def stage_calibrate(cfg, out: str, extra_views: int, run_budget: int) -> dict:
 
   path = os.path.join(out, "calibration", "budget.json")
   max_seeds = run_budget // (len(_views(cfg.calibrate.views)) + extra_views)
+  # The bracketing calibration (`opdjax calibrate --bracket`) within the run budget: a straddling view's
+  # seeds up to the budget's share of one view.
+  cfg = cfg.replace(calibrate={"bracket": True, "max_runs": run_budget,
+                               "max_seeds": max(max_seeds, cfg.calibrate.seeds)})
   if os.path.exists(path):
     budget = load_budget(path)
   else:
@@ -125,16 +129,18 @@ def stage_calibrate(cfg, out: str, extra_views: int, run_budget: int) -> dict:
       return study_design.seeds_for_power(clean, start, cfg.calibrate.tolerance_sigmas, cfg.calibrate.seeds,
                                           max_seeds)
 
-    budget = admission.calibrate(cfg, os.path.dirname(path), extend=study_design.extend_until_failure,
-                                 max_runs=run_budget, power=power)
-  fit, ext = budget["fit"], budget["extension"]
-  v = verdicts.budget_bracket(budget["points"], fit, budget["start"],
-                              {"used": ext["runs"], "budget": ext["max_runs"], "max_seeds": max_seeds})
+    budget = admission.calibrate(cfg, os.path.dirname(path), power=power)
+  fit, ext, side = budget["fit"], budget["extension"], budget.get("bracket")
+  runs = {"used": ext["runs"], "budget": ext["max_runs"], "max_seeds": max_seeds}
+  if side and side["status"] == "ceiling":
+    runs["ceiling"] = f"noise_sigma={side['ceiling']['noise_sigma']:g}"
+  v = verdicts.budget_bracket(budget["points"], fit, budget["start"], runs)
   points = [{"view": p["view"], "mismatch": p["mismatch"], "ci": p["mismatch_ci"], "pass": p["pass"],
              **{f"{m}_median": float(np.median(p[m])) for m in fit["metrics"]}} for p in budget["points"]]
   return _claim(v, budget=budget["budget"], converged=budget["warning"] is None, warning=budget["warning"],
                 monotone=fit["monotone"], smallest_failing_mismatch=fit["smallest_failing_mismatch"],
-                tolerance=fit["tolerance"], extension=ext, power=budget["power"], points=points, budget_path=path,
+                tolerance=fit["tolerance"], tolerance_set_by=fit.get("tolerance_set_by"), bracket=side,
+                extension=ext, power=budget["power"], points=points, budget_path=path,
                 pngs=[os.path.join("calibration", "budget.png")])
 
 

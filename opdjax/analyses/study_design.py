@@ -1,7 +1,7 @@
 """scripts/reproduce.py's design choices that give its verdicts power (opdjax.analyses.verdicts):
-how many seeds each calibration view gets (from the clean runs' spread), which views extend the
-calibration until one fails, and which admission candidates straddle the budget. Pure functions of
-the calibration's points."""
+how many seeds each calibration view gets (from the clean runs' spread) and which admission
+candidates straddle the budget. Pure functions of the calibration's points. (Which views extend the
+calibration until one fails is `calibrate.bracket`'s rule: opdjax.analyses.bracket.)"""
 
 from __future__ import annotations
 
@@ -30,18 +30,6 @@ def seeds_for_power(clean: dict, start: dict, tolerance_sigmas: float, pilot: in
   want = max([n for n in needed.values() if n is not None], default=pilot)
   return {"seeds": int(min(max(want, pilot), max(max_seeds, pilot))), "needed": needed, "max_seeds": max_seeds,
           "clean_std": {m: float(np.std(clean[m], ddof=1)) for m in needed}}
-
-
-def extend_until_failure(points: list[dict], fit: dict) -> EngineView | None:
-  """`admission.calibrate`'s `extend`: while no view fails with its quality-loss interval clear of
-  the tolerance, the next view doubles the largest noise tried (None: a clear failure exists)."""
-  clean = next(p for p in points if p["view"] == "clean")
-  for p in points:
-    loss = verdicts.view_loss(p, clean, fit["metrics"])
-    if any(loss[m][1] > fit["tolerance"][m] for m in fit["metrics"]):
-      return None
-  top = max(_sigma(p["view"]) for p in points)
-  return EngineView(noise_sigma=float(f"{2 * top:.3g}") if top > 0 else 0.1)
 
 
 def candidates(recipe_weights: str, warmup_steps: int, budget: dict) -> str:
