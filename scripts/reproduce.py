@@ -209,7 +209,7 @@ def stage_calibrate(cfg, out: str, extra_views: int, run_budget: int) -> dict:
   else:
     def power(clean, start):
       return study_design.seeds_for_power(clean, start, cfg.calibrate.tolerance_sigmas, cfg.calibrate.seeds,
-                                          max_seeds)
+                                          max_seeds, cfg.calibrate.tolerance_rel)
 
     budget = admission.calibrate(cfg, os.path.dirname(path), power=power)
   fit, ext, side = budget["fit"], budget["extension"], budget.get("bracket")

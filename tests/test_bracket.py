@@ -133,3 +133,16 @@ def test_calibrate_bracket_on_the_demo(demo_cache, tmp_path, capsys):
   assert f"bracket: {side['statement']}" in printed and "set by the" in printed
   assert budget["config"]["calibrate"]["bracket"] is True
   assert np.isfinite(side["largest_tried"]["mismatch"])
+
+
+@pytest.mark.parametrize("key,value,match", [("bracket_factor", 1.0, "must grow"), ("bracket_ceiling", 0.0, "> 0"),
+                                             ("max_seeds", 1, "below calibrate.seeds"), ("max_runs", -1, "no cap")])
+def test_bad_bracket_settings_are_user_errors(key, value, match):
+  from opdjax.config.defaults import default_config
+  from opdjax.config.schema import build
+  from opdjax.errors import UserError
+
+  c = default_config()
+  c.calibrate[key] = value
+  with pytest.raises(UserError, match=match):
+    build(c)

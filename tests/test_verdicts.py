@@ -254,7 +254,10 @@ def test_seeds_for_power_come_from_the_clean_spread():
   assert got["seeds"] == 5 and got["needed"] == {"reverse_kl": 5} and got["clean_std"]["reverse_kl"] == 0.5
   assert seeds(wide, max_seeds=4)["seeds"] == 4  # the run budget caps it; the verdict then says underpowered
   assert seeds(wide, start=0.5) == {"seeds": 3, "needed": {"reverse_kl": None}, "max_seeds": 12,
-                                    "clean_std": {"reverse_kl": 0.5}}  # no learning: no seeds help
+                                    "clean_std": {"reverse_kl": 0.5}, "floor_limits": []}  # no learning
+  # A floor of 60% of the clean 1.0 exceeds half the 2.0 gain: seeds cannot give power, and it is said.
+  assert seeds(CLEAN)["floor_limits"] == [] and study_design.seeds_for_power(
+      {"reverse_kl": CLEAN}, {"reverse_kl": 3.0}, 3.0, 3, 12, tolerance_rel=1.2)["floor_limits"] == ["reverse_kl"]
   # Accuracy improves upward; the most-needing metric decides (std 0.2, gain 0.4: 2 * 3^2 = 18).
   got = seeds(CLEAN, accuracy=[0.2, 0.4, 0.6], max_seeds=20)
   assert got["needed"] == {"reverse_kl": 2, "accuracy": 18} and got["seeds"] == 18

@@ -15,21 +15,26 @@ def _sigma(view: str) -> float:
   return EngineView.parse(view).noise_sigma
 
 
-def seeds_for_power(clean: dict, start: dict, tolerance_sigmas: float, pilot: int, max_seeds: int) -> dict:
+def seeds_for_power(clean: dict, start: dict, tolerance_sigmas: float, pilot: int, max_seeds: int,
+                    tolerance_rel: float = 0.0) -> dict:
   """`admission.calibrate`'s `power`: the seeds each view needs for claim 1's power rule, from the
   clean runs so far. Per metric, `verdicts.seeds_needed(s_clean, gain, k)`: the smallest n with
   k * s_clean * sqrt(2/n) <= gain / 2 (s_clean the clean seeds' std, gain the clean median's
   improvement over the starting student); the most any learning metric needs, at least `pilot`, at
   most `max_seeds` (the run budget's share of one view). A metric that did not learn needs nothing
-  (claim 1 is inconclusive on it whatever the seeds)."""
-  needed = {}
+  (claim 1 is inconclusive on it whatever the seeds). `floor_limits`: the metrics whose floor
+  (`tolerance_rel` x |clean median|) alone exceeds half the gain: seeds cannot give those power,
+  longer runs or a lower floor can."""
+  needed, floor_limits = {}, []
   for m in verdicts.QUALITY:
     if clean.get(m):
       gain = verdicts.clean_gain(clean, start, m)
       needed[m] = verdicts.seeds_needed(float(np.std(clean[m], ddof=1)), gain, tolerance_sigmas)
+      if gain > 0 and tolerance_rel * abs(float(np.median(clean[m]))) > gain / 2:
+        floor_limits.append(m)
   want = max([n for n in needed.values() if n is not None], default=pilot)
   return {"seeds": int(min(max(want, pilot), max(max_seeds, pilot))), "needed": needed, "max_seeds": max_seeds,
-          "clean_std": {m: float(np.std(clean[m], ddof=1)) for m in needed}}
+          "clean_std": {m: float(np.std(clean[m], ddof=1)) for m in needed}, "floor_limits": floor_limits}
 
 
 def candidates(recipe_weights: str, warmup_steps: int, budget: dict) -> str:
