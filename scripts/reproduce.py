@@ -68,7 +68,7 @@ KV_PAPER_RATIO = 1.93  # the paper's >= 1.93x KV tokens with FP8 KV, one of 28 l
 
 # Stage budgets (config overrides). Addition: the demo's protocol (docs/admission.md) at 400 steps;
 # quick: the tiniest runs that still exercise every code path (they cannot learn: the budget is
-# forced and marked). SmolLM2: configs/smollm2_study.py as it is (sized for 60 minutes on 2 cores).
+# forced and marked). SmolLM2: configs/smollm2_study.py (sized for 60 minutes on 2 cores), 16 + 16 sensitivity prompts.
 ADDITION_VIEWS = "clean;noise_sigma=0.1;noise_sigma=0.4;noise_sigma=0.8;noise_sigma=1.6;noise_sigma=3.2;" \
                  "weights=fp8;weights=int8"
 BUDGETS = {
@@ -83,7 +83,8 @@ BUDGETS = {
                          "prefix_shift.views": "noise_sigma=0.3;lag=2", "prefix_shift.warmup_steps": 2,
                          "prefix_shift.num_prompts": 16},
     ("smollm2", False): {"task.path": "builtin:chat_instructions_sweep", "task.num_eval": 32,
-                         "sensitivity.model": "student", "prefix_shift.num_prompts": 12},
+                         "sensitivity.model": "student", "sensitivity.num_prompts": 16,  # claim 2: > 8 held out
+                         "prefix_shift.num_prompts": 12},
     ("smollm2", True): {"task.path": "builtin:chat_instructions_sweep", "task.num_eval": 8, "rollout.batch_size": 4,
                         "rollout.max_new_tokens": 8,
                         "calibrate.views": "clean;noise_sigma=0.2;weights=fp8", "calibrate.steps": 1,
