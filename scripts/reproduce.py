@@ -30,8 +30,8 @@ Its design (GPU_DESIGN) against the CPU run's (configs/smollm2_study.py as it is
   (CPU: 2; the spread of 2 seeds is one number), calibrate.tolerance_rel 0.005 (CPU: 0.05, which set
   the CPU run's tolerance: the floor now binds only where the clean spread is smaller), the
   bracketing calibration up to noise_sigma 2.4 (CPU: the ladder stopped at 0.6 with no clear failure),
-  48 calibration runs (CPU: 16), sensitivity on 16 + 16 held-out prompts (claim 2's interval needs
-  more than 8).
+  48 calibration runs (CPU: 16), sensitivity on 16 + 16 prompts as the CPU study now (claim 2's
+  interval needs more than 8 held out), 32 prefix-shift prompts (CPU: 12).
 The estimate (`gpu_estimate`; the numbers are BENCHMARKS.md's GPU suite on one H200, Qwen3-0.6B
 student / 1.7B teacher; SmolLM2 is smaller, so each is an upper bound on its cost here):
   rollout: the engine's decode step at batch 64 is 4.82 ms for 28 layers (13,081 new tokens/s);
