@@ -136,7 +136,7 @@ def test_calibrate_bracket_on_the_demo(demo_cache, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("key,value,match", [("bracket_factor", 1.0, "must grow"), ("bracket_ceiling", 0.0, "> 0"),
-                                             ("max_seeds", 1, "below calibrate.seeds"), ("max_runs", -1, "no cap")])
+                                             ("max_seeds", 0, "must be >= 1"), ("max_runs", -1, "no cap")])
 def test_bad_bracket_settings_are_user_errors(key, value, match):
   from opdjax.config.defaults import default_config
   from opdjax.config.schema import build
