@@ -78,7 +78,7 @@ COMMANDS = (
     Command("prefix-shift", "where perturbed engines' samples leave the clean ones, and what it costs",
             c.analysis("opdjax.analyses.prefix_shift"), c.analysis_arguments(), config="default"),
     Command("calibrate", "short OPD runs across mismatch levels -> budget.json",
-            c.analysis("opdjax.analyses.admission", fn="calibrate"), c.analysis_arguments(), config="default"),
+            c.calibrate, c.calibrate_arguments, config="default"),
     Command("admit", "screen candidate rollout configs against a calibrated mismatch budget", c.admit,
             c.admit_arguments, config="budget"),
     Command("kv-capacity", "KV-cache tokens that fit in a memory budget: BF16 vs FP8 KV cache and weights",

@@ -115,6 +115,20 @@ def analysis_arguments(out_help: str = "output folder (JSON/CSV/markdown + PNG p
   return lambda p: out_options(p, required, out_help)
 
 
+def calibrate_arguments(p: argparse.ArgumentParser) -> None:
+  out_options(p, True, "output folder (budget.json, calibration.csv/md, curves.json, budget.png)")
+  p.add_argument("--bracket", action="store_true",
+                 help="after the views, spend seeds where a quality-loss interval straddles the tolerance and extend"
+                      " the noise ladder (x calibrate.bracket_factor) until a view fails clearly or the next rung"
+                      " passes calibrate.bracket_ceiling (= --config.calibrate.bracket=true)")
+
+
+def calibrate(args, overrides) -> int:
+  if args.bracket:
+    overrides = {**overrides, "calibrate.bracket": "true"}
+  return analysis("opdjax.analyses.admission", fn="calibrate")(args, overrides)
+
+
 def admit_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--budget", help="budget.json written by `opdjax calibrate` (--teacher: default train.budget)")
   p.add_argument("--candidates",

@@ -1,6 +1,8 @@
 """The paper's study in one command: claims 1, 2, 4 and 5 on the addition task or on SmolLM2.
 
   python scripts/reproduce.py --task smollm2|addition --out DIR [--quick] [--overwrite]
+  python scripts/reproduce.py --task smollm2 --profile gpu --out DIR     # one H200 lease (GPU_DOC)
+  python scripts/reproduce.py --task smollm2 --profile gpu --quick --out DIR  # its dry run, on CPU
 
 Stages, each the existing analysis called as it is, in the order sensitivity, prefix shift,
 calibrate, admission (the cheap ones first); every verdict comes from `opdjax.analyses.verdicts`:
@@ -17,7 +19,34 @@ calibrate, admission (the cheap ones first); every verdict comes from `opdjax.an
      levels placed from the calibration to straddle the budget) admitted and trained by
      scripts/validate_admission.py, scored against accept-all and reject-all.
 Writes DIR/reproduction.json (`claims`: verdict, label, reason, falsifier, evidence; `stages` with
-wall seconds; a `digest` of the record) and DIR/reproduction.md. The same command resumes DIR.
+wall seconds; the `profile` and the `machine` it ran on; a `digest` of the record) and
+DIR/reproduction.md. The same command resumes DIR.
+
+The GPU profile (`--profile gpu`, SmolLM2 only): the same stages and configs/smollm2_study.py with the
+steps, batch, seeds and prompts that give the verdicts power, sized for one H200 lease (at most 9
+minutes cold, a rerun's room left in 15) with the embedded JAX engine (the GPU image has no vLLM).
+Its design (GPU_DESIGN) against the CPU run's (configs/smollm2_study.py as it is):
+  OPD runs of 24 steps of 16 prompts (CPU: 10 of 4: 9.6x the tokens a run), 4 pilot seeds a view
+  (CPU: 2; the spread of 2 seeds is one number), calibrate.tolerance_rel 0.005 (CPU: 0.05, which set
+  the CPU run's tolerance: the floor now binds only where the clean spread is smaller), the
+  bracketing calibration up to noise_sigma 2.4 (CPU: the ladder stopped at 0.6 with no clear failure),
+  48 calibration runs (CPU: 16), sensitivity on 16 + 16 prompts as the CPU study now (claim 2's
+  interval needs more than 8 held out), 32 prefix-shift prompts (CPU: 12).
+The estimate (`gpu_estimate`; the numbers are BENCHMARKS.md's GPU suite on one H200, Qwen3-0.6B
+student / 1.7B teacher; SmolLM2 is smaller, so each is an upper bound on its cost here):
+  rollout: the engine's decode step at batch 64 is 4.82 ms for 28 layers (13,081 new tokens/s);
+    scaled to the student's 20 layers, 3.44 ms a token, so 32 new tokens take 0.110 s a batch.
+  train step: 16 x 88 tokens x 0.86 GFLOP/token (6 x 99M student + 2 x 134M teacher params,
+    lm_head counted) = 1.2 TFLOP, 2.7 ms at the measured 453 TFLOP/s (45.8% MFU); budgeted at
+    30 ms, since 576-wide matmuls run far below the 0.6B step's MFU.
+  one OPD step: 0.110 + 0.030 + 0.005 (weight sync) = 0.145 s; a 24-step run with its two held-out
+    evaluations (32 prompts, 0.15 s each): 24 x 0.145 + 0.3 = 3.78 s.
+  runs: calibration 48 (6 views x 4 seeds, then bracket rungs and seeds) + admission 7 candidates x
+    4 seeds = 76 runs x 3.78 s = 288 s.
+  fixed: cold compiles 150 s (the GPU suite's opd_jax and engine parts compiled within their 80 s
+    and 100 s limits), sensitivity 30 s, prefix shift 30 s, model load and kv-capacity 20 s: 230 s.
+  total 288 + 230 = 518 s = 8.6 min <= 9 min. (A power step asking 6 seeds a view, the most the
+    run budget gives, trains the 7 candidates with 6 each: 14 runs, 53 s more, 9.5 min.)
 """
 
 from __future__ import annotations
@@ -33,13 +62,13 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MARKER = ".opdjax-reproduce"  # {"task": ..., "quick": ...}: this folder is a reproduce run of that kind
+MARKER = ".opdjax-reproduce"  # {"task": ..., "quick": ..., "profile": ...}: this folder is a reproduce run of that kind
 VERDICTS = ("holds", "does not hold", "inconclusive")
 KV_PAPER_RATIO = 1.93  # the paper's >= 1.93x KV tokens with FP8 KV, one of 28 layers kept in BF16
 
 # Stage budgets (config overrides). Addition: the demo's protocol (docs/admission.md) at 400 steps;
 # quick: the tiniest runs that still exercise every code path (they cannot learn: the budget is
-# forced and marked). SmolLM2: configs/smollm2_study.py as it is (sized for 60 minutes on 2 cores).
+# forced and marked). SmolLM2: configs/smollm2_study.py (sized for 60 minutes on 2 cores), 16 + 16 sensitivity prompts.
 ADDITION_VIEWS = "clean;noise_sigma=0.1;noise_sigma=0.4;noise_sigma=0.8;noise_sigma=1.6;noise_sigma=3.2;" \
                  "weights=fp8;weights=int8"
 BUDGETS = {
@@ -54,7 +83,8 @@ BUDGETS = {
                          "prefix_shift.views": "noise_sigma=0.3;lag=2", "prefix_shift.warmup_steps": 2,
                          "prefix_shift.num_prompts": 16},
     ("smollm2", False): {"task.path": "builtin:chat_instructions_sweep", "task.num_eval": 32,
-                         "sensitivity.model": "student", "prefix_shift.num_prompts": 12},
+                         "sensitivity.model": "student", "sensitivity.num_prompts": 16,  # claim 2: > 8 held out
+                         "prefix_shift.num_prompts": 12},
     ("smollm2", True): {"task.path": "builtin:chat_instructions_sweep", "task.num_eval": 8, "rollout.batch_size": 4,
                         "rollout.max_new_tokens": 8,
                         "calibrate.views": "clean;noise_sigma=0.2;weights=fp8", "calibrate.steps": 1,
@@ -75,6 +105,59 @@ EXTRA_VIEWS = {("addition", False): 2, ("addition", True): 1, ("smollm2", False)
 RUN_BUDGET = {("addition", False): 120, ("addition", True): 10, ("smollm2", False): 16, ("smollm2", True): 8}
 REPLICATES = {("addition", False): 3, ("addition", True): 2, ("smollm2", False): 3, ("smollm2", True): 2}
 CONFIGS = {"addition": None, "smollm2": os.path.join(ROOT, "configs", "smollm2_study.py")}
+# The GPU profile (the module doc's design and estimate): SmolLM2 on one H200. Its --quick is the dry run:
+# the CPU quick budgets with the profile's design switches (seeds, floor, ceiling), on any machine.
+GPU_STUDY = {"train.steps": 24, "optim.total_steps": 24, "calibrate.steps": 24, "calibrate.eval_every": 24,
+             "rollout.batch_size": 16, "calibrate.seeds": 4, "calibrate.tolerance_rel": 0.005,
+             "calibrate.bracket_ceiling": 2.4, "calibrate.max_seeds": 8, "sensitivity.num_prompts": 16}
+GPU_DESIGN = {
+    ("smollm2", False): {"budgets": {**BUDGETS[("smollm2", False)], **GPU_STUDY, "prefix_shift.num_prompts": 32},
+                         "run_budget": 48, "extra_views": 2, "replicates": 3},
+    ("smollm2", True): {"budgets": {**BUDGETS[("smollm2", True)], "calibrate.tolerance_rel": 0.005,
+                                    "calibrate.bracket_ceiling": 0.4, "sensitivity.num_prompts": 9,
+                                    "task.num_eval": 18},
+                        "run_budget": 8, "extra_views": 1, "replicates": 2},
+}
+GPU_LIMIT_S = 540  # 9 of the lease's 15 minutes: a rerun's room left, as bench/gpu_suite.sh's budget
+# BENCHMARKS.md's GPU suite (one H200): decode step at batch 64 for Qwen3-0.6B (28 layers), OPD step MFU.
+GPU_MEASURED = {"decode_step_s_b64": 4.82e-3, "decode_layers": 28, "train_tflops": 453.0}
+
+
+def design(task: str, profile: str, quick: bool) -> dict:
+  """The run's config overrides (`budgets`) and study design (run budget, extra views, replicates)."""
+  if profile == "gpu":
+    if (task, quick) not in GPU_DESIGN:
+      raise ReproduceError(f"--profile gpu is sized for --task smollm2 (the toy task needs no GPU); got {task}.")
+    return dict(GPU_DESIGN[(task, quick)])
+  kind = (task, quick)
+  return {"budgets": dict(BUDGETS[kind]), "run_budget": RUN_BUDGET[kind], "extra_views": EXTRA_VIEWS[kind],
+          "replicates": REPLICATES[kind]}
+
+
+def gpu_estimate(steps=24, batch=16, new_tokens=32, max_len=88, student_layers=20, student_params=99e6,
+                 teacher_params=134e6, runs=48 + 7 * 4, fixed_s=230.0, train_floor_s=0.030, sync_s=0.005,
+                 eval_s=0.15) -> dict:
+  """The module doc's arithmetic: seconds of the GPU profile on one H200, from GPU_MEASURED."""
+  m = GPU_MEASURED
+  rollout = new_tokens * m["decode_step_s_b64"] * student_layers / m["decode_layers"]
+  flops = batch * max_len * (6 * student_params + 2 * teacher_params)
+  train = max(flops / (m["train_tflops"] * 1e12), train_floor_s)
+  run = steps * (rollout + train + sync_s) + 2 * eval_s
+  total = runs * run + fixed_s
+  return {"rollout_s": rollout, "train_flops": flops, "train_s": train, "run_s": run, "runs": runs,
+          "total_s": total, "limit_s": GPU_LIMIT_S}
+
+
+def machine() -> str:
+  """What the run ran on: the accelerator (or CPU) JAX uses, and the host's cores."""
+  import platform
+
+  import jax
+
+  dev = jax.devices()[0]
+  kind = dev.device_kind if dev.platform != "cpu" else platform.processor() or platform.machine()
+  return (f"{jax.device_count()} x {kind} ({jax.default_backend()}), {os.cpu_count()} CPU cores, "
+          f"{platform.system()} {platform.machine()}, jax {jax.__version__}")
 STATEMENTS = {
     "1": "OPD tolerates rollout/trainer mismatch up to a budget on one scale (exact KL per token): quality stays "
          "within seed noise below it and degrades beyond it; the budget is calibrated by short runs",
@@ -118,23 +201,29 @@ def stage_calibrate(cfg, out: str, extra_views: int, run_budget: int) -> dict:
 
   path = os.path.join(out, "calibration", "budget.json")
   max_seeds = run_budget // (len(_views(cfg.calibrate.views)) + extra_views)
+  # The bracketing calibration (`opdjax calibrate --bracket`) within the run budget: a straddling view's
+  # seeds up to the budget's share of one view.
+  cfg = cfg.replace(calibrate={"bracket": True, "max_runs": run_budget,
+                               "max_seeds": max(max_seeds, cfg.calibrate.seeds)})
   if os.path.exists(path):
     budget = load_budget(path)
   else:
     def power(clean, start):
       return study_design.seeds_for_power(clean, start, cfg.calibrate.tolerance_sigmas, cfg.calibrate.seeds,
-                                          max_seeds)
+                                          max_seeds, cfg.calibrate.tolerance_rel)
 
-    budget = admission.calibrate(cfg, os.path.dirname(path), extend=study_design.extend_until_failure,
-                                 max_runs=run_budget, power=power)
-  fit, ext = budget["fit"], budget["extension"]
-  v = verdicts.budget_bracket(budget["points"], fit, budget["start"],
-                              {"used": ext["runs"], "budget": ext["max_runs"], "max_seeds": max_seeds})
+    budget = admission.calibrate(cfg, os.path.dirname(path), power=power)
+  fit, ext, side = budget["fit"], budget["extension"], budget.get("bracket")
+  runs = {"used": ext["runs"], "budget": ext["max_runs"], "max_seeds": max_seeds}
+  if side and side["status"] == "ceiling":
+    runs["ceiling"] = f"noise_sigma={side['ceiling']['noise_sigma']:g}"
+  v = verdicts.budget_bracket(budget["points"], fit, budget["start"], runs)
   points = [{"view": p["view"], "mismatch": p["mismatch"], "ci": p["mismatch_ci"], "pass": p["pass"],
              **{f"{m}_median": float(np.median(p[m])) for m in fit["metrics"]}} for p in budget["points"]]
   return _claim(v, budget=budget["budget"], converged=budget["warning"] is None, warning=budget["warning"],
                 monotone=fit["monotone"], smallest_failing_mismatch=fit["smallest_failing_mismatch"],
-                tolerance=fit["tolerance"], extension=ext, power=budget["power"], points=points, budget_path=path,
+                tolerance=fit["tolerance"], tolerance_set_by=fit.get("tolerance_set_by"), bracket=side,
+                extension=ext, power=budget["power"], points=points, budget_path=path,
                 pngs=[os.path.join("calibration", "budget.png")])
 
 
@@ -266,13 +355,13 @@ def markdown(result: dict, other: dict | None) -> str:
 
 # --- the command -------------------------------------------------------------------------------
 
-def build_config(task: str, quick: bool):
+def build_config(task: str, quick: bool, profile: str = "cpu"):
   from opdjax.config.defaults import default_config
   from opdjax.config.loader import apply_overrides, load_config_file
   from opdjax.config.schema import build
 
   base = load_config_file(CONFIGS[task]) if CONFIGS[task] else default_config()
-  return build(apply_overrides(base, {k: str(v) for k, v in BUDGETS[(task, quick)].items()}))
+  return build(apply_overrides(base, {k: str(v) for k, v in design(task, profile, quick)["budgets"].items()}))
 
 
 def check_inputs(args) -> None:
@@ -283,15 +372,24 @@ def check_inputs(args) -> None:
   if args.task == "smollm2" and not os.path.exists(os.path.join(model_dir("smollm2-135m"), "config.json")):
     raise ReproduceError(f"SmolLM2-135M-Instruct is not in the cache ({model_dir('smollm2-135m')}); run"
                          " `opdjax models fetch smollm2-135m` first (nothing is downloaded at run time).")
+  design(args.task, args.profile, args.quick)  # a profile the task has
+  if args.profile == "gpu" and not args.quick:
+    import jax
+
+    if jax.default_backend() != "gpu":
+      raise ReproduceError(f"--profile gpu is sized for one H200 and JAX sees {jax.default_backend()}; run it on"
+                           " the GPU machine (bash bench/gpu_suite.sh --study), or add --quick for its dry run here.")
   marker = os.path.join(args.out, MARKER)
   own = False
   if os.path.exists(marker):
     with open(marker) as f:
       kind = json.load(f)
-    own = kind == {"task": args.task, "quick": args.quick}
+    own = {"profile": "cpu", **kind} == {"task": args.task, "quick": args.quick, "profile": args.profile}
     if not own and not args.overwrite:
       raise ReproduceError(f"--out {args.out} holds a reproduce run of task {kind['task']}"
-                           f"{' --quick' if kind['quick'] else ''}; pass a new --out folder (nothing was written).")
+                           f"{' --quick' if kind['quick'] else ''}"
+                           f"{' --profile ' + kind['profile'] if kind.get('profile', 'cpu') != 'cpu' else ''};"
+                           " pass a new --out folder (nothing was written).")
   check_out_dir(args.out, "reproduce", args.overwrite, own=own)
 
 
@@ -301,8 +399,9 @@ def run(args) -> dict:
   check_inputs(args)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, MARKER), "w") as f:
-    json.dump({"task": args.task, "quick": args.quick}, f)
-  cfg = build_config(args.task, args.quick)
+    json.dump({"task": args.task, "quick": args.quick, "profile": args.profile}, f)
+  cfg = build_config(args.task, args.quick, args.profile)
+  plan = design(args.task, args.profile, args.quick)
   t0, load0 = time.time(), os.getloadavg()
   path = os.path.join(args.out, "reproduction.json")
   before = {}
@@ -313,10 +412,9 @@ def run(args) -> dict:
   if args.other:
     with open(args.other) as f:
       other = json.load(f)
-  result = {"task": args.task, "mode": "quick" if args.quick else "full", "complete": False, "claims": {},
-            "stages": {}, "budgets": dict(BUDGETS[(args.task, args.quick)]),
-            "design": {name: table[(args.task, args.quick)] for name, table in
-                       (("run_budget", RUN_BUDGET), ("extra_views", EXTRA_VIEWS), ("replicates", REPLICATES))},
+  result = {"task": args.task, "mode": "quick" if args.quick else "full", "profile": args.profile,
+            "machine": machine(), "complete": False, "claims": {}, "stages": {}, "budgets": plan["budgets"],
+            "design": {k: plan[k] for k in ("run_budget", "extra_views", "replicates")},
             "config": os.path.relpath(CONFIGS[args.task], ROOT) if CONFIGS[args.task] else "the demo's (default)",
             "command": " ".join(["python", "scripts/reproduce.py", *(sys.argv[1:] if args.argv is None
                                                                     else args.argv)]),
@@ -344,10 +442,9 @@ def run(args) -> dict:
     return out
 
   # The cheap stages first: on a slow box a run stopped early still has claims 2 and 4.
-  kind = (args.task, args.quick)
   sens = stage("2", "sensitivity", stage_sensitivity)
-  stage("4", "prefix_shift", stage_prefix_shift, REPLICATES[kind])
-  cal = stage("1", "calibrate", stage_calibrate, EXTRA_VIEWS[kind], RUN_BUDGET[kind])
+  stage("4", "prefix_shift", stage_prefix_shift, plan["replicates"])
+  cal = stage("1", "calibrate", stage_calibrate, plan["extra_views"], plan["run_budget"])
   stage("5", "admission", stage_admission, cal["budget_path"], sens["recipe_weights"])
   result["complete"] = True
   write()
@@ -359,6 +456,9 @@ def main(argv=None) -> int:
   ap.add_argument("--task", required=True, choices=sorted(CONFIGS))
   ap.add_argument("--out", required=True, help="output folder (new or empty; the same command resumes it)")
   ap.add_argument("--quick", action="store_true", help="tiny budgets: every stage runs, nothing can learn")
+  ap.add_argument("--profile", choices=("cpu", "gpu"), default="cpu",
+                  help="cpu: sized for a 2-core box; gpu: SmolLM2 sized for one H200 lease (with --quick: its dry"
+                       " run, on any machine)")
   ap.add_argument("--overwrite", action="store_true", help="write into a non-empty --out holding no run of this kind")
   ap.add_argument("--other", help="the other task's reproduction.json, to fill its column of the table")
   args = ap.parse_args(argv)

@@ -29,6 +29,21 @@ def test_gpu_suite_imports_nothing_that_needs_ml_collections(tmp_path):
   assert proc.returncode == 1 and "import of ml_collections halted" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_gpu_suite_sh_study_runs_the_reproduce_gpu_profile(tmp_path):
+  """`--study`: scripts/reproduce.py's GPU profile, with ml_collections installed from bench/wheels/ where the
+  image lacks it (and one clear error when there are no wheels to install)."""
+  env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+  proc = subprocess.run(["bash", "bench/gpu_suite.sh", "--study", "--help"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=60)
+  assert proc.returncode == 0 and "--profile {cpu,gpu}" in proc.stdout, proc.stderr[-2000:]
+  if os.path.isdir(os.path.join(ROOT, "bench", "wheels")) and os.listdir(os.path.join(ROOT, "bench", "wheels")):
+    return  # wheels present: the script would install them, not refuse
+  proc = subprocess.run(["bash", "bench/gpu_suite.sh", "--study", "--quick"], cwd=ROOT,
+                        env={**_without_ml_collections(tmp_path), "PYTHON": sys.executable, "OUT": str(tmp_path)},
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2 and "--fetch-wheels" in proc.stderr and not (tmp_path / "repro-smollm2-gpu").exists()
+
+
 def _unbudgeted_python(tmp_path) -> str:
   """A `python` for gpu_suite.sh (it runs "${PYTHON:-python}" bench/gpu_suite.py) whose suite gives every
   part an hour: on a loaded box the 170 s budget would stop a part that is merely slow, not broken."""

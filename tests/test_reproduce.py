@@ -111,3 +111,90 @@ def test_out_holding_another_run_is_refused(reproduce, tmp_path, capsys):
   f.write_text("x")
   assert reproduce.main(["--task", "addition", "--out", str(f), "--quick"]) == 2
   assert "is a file" in capsys.readouterr().err
+
+
+# --- the GPU profile -------------------------------------------------------------------------------
+
+CHAT_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                 "{{ '<|im_start|>system\\nYou are a helpful AI assistant<|im_end|>\\n' }}{% endif %}"
+                 "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_smollm2_cache(tmp_path_factory):
+  """An OPDJAX_CACHE whose `fetch:smollm2-135m` is SmolLM2-135M-Instruct's shape at toy width: 30 llama
+  layers (the study's student keeps 0-9 and 20-29), tied embeddings, random weights, its chat markers, and a
+  byte-level BPE trained here on the study's prompts (nothing downloaded)."""
+  import torch
+  import transformers
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  from opdjax.models.fetch import model_dir
+
+  root = tmp_path_factory.mktemp("smollm2-cache")
+  path = model_dir("smollm2-135m", str(root))
+  os.makedirs(path)
+  data = os.path.join(os.path.dirname(reporting.__file__), "..", "data", "chat_instructions.jsonl")
+  with open(data) as f:
+    texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(texts + ["system user assistant You are a helpful AI assistant"] * 4, trainers.BpeTrainer(
+      vocab_size=1024, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                              pad_token="<|im_end|>", unk_token="<|endoftext|>")
+  fast.chat_template = CHAT_TEMPLATE
+  fast.save_pretrained(path)
+  cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=30,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=512)
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+  with open(os.path.join(path, "SOURCE.json"), "w") as f:
+    json.dump({"name": "smollm2-135m", "model": "tests/test_reproduce.py: random weights at toy width"}, f)
+  return str(root)
+
+
+def test_gpu_estimate_fits_one_lease(reproduce):
+  est = reproduce.gpu_estimate()
+  assert est["total_s"] <= est["limit_s"] == 540  # 9 of the lease's 15 minutes
+  # The docstring's arithmetic: 32 tokens x 4.82 ms x 20/28 layers; 1.2 TFLOP a train step, budgeted at 30 ms.
+  assert est["rollout_s"] == pytest.approx(0.110, abs=5e-4) and est["train_flops"] == pytest.approx(1.21e12, rel=0.01)
+  assert est["run_s"] == pytest.approx(3.78, abs=0.01) and est["runs"] == 76
+  assert f"{est['total_s']:.0f} s" in reproduce.__doc__ and f"{est['total_s'] / 60:.1f} min" in reproduce.__doc__
+  # The design the estimate counts: 24 steps of 16 prompts, 4 pilot seeds, 48 calibration runs, 7 candidates.
+  full = reproduce.design("smollm2", "gpu", False)
+  b = full["budgets"]
+  assert (b["calibrate.steps"], b["rollout.batch_size"], b["calibrate.seeds"], full["run_budget"]) == (24, 16, 4, 48)
+  assert b["sensitivity.num_prompts"] > 8  # claim 2's interval
+  cfg = reproduce.build_config("smollm2", False, "gpu")  # the full-size config builds and checks
+  assert cfg.calibrate.steps == cfg.train.steps == cfg.optim.total_steps == 24 and cfg.calibrate.tolerance_rel == 0.005
+  with pytest.raises(reproduce.ReproduceError, match="sized for --task smollm2"):
+    reproduce.design("addition", "gpu", False)
+
+
+@pytest.mark.slow
+def test_gpu_profile_dry_run_on_cpu(tiny_smollm2_cache, tmp_path, reproduce, capsys, monkeypatch):
+  monkeypatch.setenv("OPDJAX_CACHE", tiny_smollm2_cache)
+  out = tmp_path / "gpu"
+  # The full profile refuses a machine without a GPU before anything is written.
+  assert reproduce.main(["--task", "smollm2", "--profile", "gpu", "--out", str(out)]) == 2
+  assert "--profile gpu is sized for one H200" in capsys.readouterr().err and not out.exists()
+  assert reproduce.main(["--task", "smollm2", "--profile", "gpu", "--quick", "--out", str(out)]) == 0
+  result = json.loads((out / "reproduction.json").read_text())
+  assert result["profile"] == "gpu" and result["complete"] and "cpu" in result["machine"]
+  assert set(result["claims"]) == {"1", "2", "4", "5"} and result["digest"] == reporting.record_digest(result)
+  assert result["budgets"] == reproduce.design("smollm2", "gpu", True)["budgets"]
+  c1 = result["claims"]["1"]
+  assert c1["bracket"]["status"] in ("bracketed", "ceiling", "run budget") and c1["tolerance_set_by"]
+  assert c1["evidence"]["tolerance_set_by"] == c1["tolerance_set_by"]
+  # Claim 2 on 9 held-out prompts, with the paired interval's inputs.
+  held = result["claims"]["2"]["heldout"]
+  assert held["num_prompts"] == 9 and len(held["recipe_kl_prompts"]) == len(held["edge_kl_prompts"]) == 9
+  assert result["claims"]["2"]["evidence"]["heldout_prompts"] == 9
+  # Another profile's run into the same --out is refused.
+  assert reproduce.main(["--task", "smollm2", "--quick", "--out", str(out)]) == 2
+  assert "--profile gpu" in capsys.readouterr().err

@@ -108,6 +108,12 @@ def test_scorer_is_the_exact_kl_of_mismatch(llama):
   np.testing.assert_allclose(got, float(ref), rtol=2e-5)
   assert scorer.kl(params) < 1e-6  # the clean floor (no top-k/top-p truncation here)
   assert scorer.kl(pp, params) != got  # the output-projection params are used
+  # Per sequence (claim 2's paired interval over prompts): each row's token mean of the same KL.
+  rows = scorer.kl_rows(pp)
+  kl_BxL = np.asarray(exact_kl(model, pp, model, params, {**batch, "loss_mask": mask}, SP))
+  m = np.asarray(mask, np.float64)
+  np.testing.assert_allclose(rows, (kl_BxL * m).sum(-1) / np.maximum(m.sum(-1), 1), rtol=2e-5, atol=1e-8)
+  assert rows.shape == (batch["tokens"].shape[0],) and np.ptp(rows) > 0  # the prompts differ
 
 
 @pytest.mark.slow

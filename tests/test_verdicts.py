@@ -79,6 +79,33 @@ def test_claim1_inconclusive_without_learning_or_power_or_a_pass_below():
   assert v.outcome == "inconclusive" and v.label == "inconclusive (upper bound only)"
 
 
+def test_claim1_inconclusive_when_the_fitted_budget_is_not_between_the_bracketing_views():
+  # fp8 fails on its median (not clearly) below noise0.5, which passes: the fit's budget stops below fp8 (at
+  # noise0.1), while the verdict's bracket is noise0.5 (pass) .. noise0.8 (clear failure).
+  tol = 3 * 0.02 * math.sqrt(2 / 3)
+  wobbly = {"view": "fp8", "mismatch": 0.3, "reverse_kl": [0.9, 1.0 + 2 * tol, 1.6]}
+  v = bracket([point("noise0.1", 0.1, 1.01), wobbly, point("noise0.5", 0.5, 1.0), point("noise0.8", 0.8, 2.5)])
+  assert v.outcome == "inconclusive" and v.label == "inconclusive (budget not between)", v.reason
+  assert v.evidence["budget"] == 0.1 and v.evidence["largest_pass_below"]["view"] == "noise0.5"
+  assert "not between" in v.reason
+
+
+def test_claim1_says_which_side_set_the_tolerance():
+  points = [{"view": "clean", "mismatch": 0.0, "reverse_kl": CLEAN}, point("b", 1.0, 3.0)]
+  fit = {**fit_for(points, rel=1.2), "tolerance_set_by": {"reverse_kl": "floor"}}
+  v = V.budget_bracket(points, fit, {"reverse_kl": 3.0}, {"used": 6, "budget": 6})
+  assert v.label == "inconclusive (underpowered)" and "seeds cannot lower it" in v.reason
+  assert v.reason.endswith("tolerance set by the floor") and v.evidence["tolerance_set_by"] == {"reverse_kl": "floor"}
+  v = V.budget_bracket(points, {**fit_for(points), "tolerance_set_by": {"reverse_kl": "clean spread"}},
+                       {"reverse_kl": 3.0}, {"used": 6, "budget": 6, "ceiling": "noise_sigma=12.8"})
+  assert v.reason.endswith("tolerance set by the clean spread"), v.reason
+  # b fails clearly: an upper bound only; without it, the ceiling is the reason of a lower bound.
+  low = [points[0], point("a", 0.5, 1.0)]
+  v = V.budget_bracket(low, fit_for(low), {"reverse_kl": 3.0}, {"used": 6, "budget": 6, "ceiling": "noise_sigma=12.8"})
+  assert v.label == "inconclusive (lower bound only)" and "ceiling noise_sigma=12.8" in v.reason
+  assert "lower bound up to 0.5" in v.reason
+
+
 def rows(*spec):
   return [{"name": f"c{i}", "verdict": verdict, "quality_ok": ok} for i, (verdict, ok) in enumerate(spec)]
 
@@ -104,6 +131,17 @@ def test_claim5_inconclusive_when_candidates_do_not_straddle_or_the_budget_is_un
   v = V.admission_vs_trivial(rows(*[("accept", True)] * 5, ("reject", True)), True)
   assert v.outcome == "inconclusive" and "do not straddle" in v.reason
   assert V.admission_vs_trivial(rows(("accept", True), ("reject", False)), False).outcome == "inconclusive"
+  # An untrusted budget decides nothing, a false accept included (its quality labels mean nothing).
+  untrusted = V.admission_vs_trivial(rows(("accept", False), ("reject", False)), False)
+  assert untrusted.outcome == "inconclusive" and "untrusted" in untrusted.reason
+
+
+def test_claim5_a_false_accept_decides_even_when_the_candidates_do_not_straddle():
+  # Every candidate degraded and one was accepted: the claim's "no false accepts" failed, whatever the
+  # trivial rules score (the rule said "inconclusive" here before, while its falsifier was met).
+  v = V.admission_vs_trivial(rows(("accept", False), ("reject", False), ("reject", False)), True)
+  assert v.outcome == "does not hold" and v.evidence["false_accepts"] == ["c0"], v.reason
+  assert V.FALSIFIER["5"].met(v.evidence)
 
 
 def ps_view(name, ps, raw, tis, shared=0.0):
@@ -132,19 +170,48 @@ def test_claim4_inconclusive_at_the_floor_or_with_one_replicate_or_a_failed_sani
   assert broken.outcome == "inconclusive" and "sanity" in broken.reason
 
 
+def test_claim4_inconclusive_when_tis_removed_error_has_an_interval_reaching_0():
+  # noise clears the floor; raw - TIS is 0.5, -0.1, 0.6 over the replicates: mean > 0, interval reaching 0.
+  v = V.prefix_shift_vs_floor([ps_view("noise", [0.50, 0.52, 0.55], [2.5, 2.4, 2.6], [2.0, 2.5, 2.0])], FLOOR)
+  assert v.outcome == "inconclusive" and "interval reaching 0 in noise" in v.reason, v.reason
+  lo, hi = v.evidence["views"][0]["tis_removed"][1:]
+  assert v.evidence["views"][0]["clears_floor"] and lo <= 0 < hi
+
+
 def test_claim4_does_not_hold_when_tis_removes_nothing():
   v = V.prefix_shift_vs_floor([ps_view("lag", [0.6, 0.62, 0.61], [1.0, 1.1, 1.0], [1.2, 1.3, 1.25])], FLOOR)
   assert v.outcome == "does not hold" and "lag" in v.reason
 
 
-def test_claim2_out_of_sample():
-  ins = {"recipe_kl": 0.12, "edge_kl": 0.29, "random_kl": 0.27, "num_prompts": 8}
-  held = {"recipe_kl": 0.15, "edge_kl": 0.28, "random_kl": 0.26, "num_prompts": 8}
-  assert V.recipe_out_of_sample([2, 10], [0, 19], ins, held).outcome == "holds"
-  worse = V.recipe_out_of_sample([2, 10], [0, 19], ins, {**held, "recipe_kl": 0.3})
-  assert worse.outcome == "does not hold"  # in-sample it beat the edge layers; out of sample it does not
-  assert V.recipe_out_of_sample([0, 1], [1, 0], ins, held).outcome == "inconclusive"
+def heldout(recipe, edge):
+  return {"recipe_kl": float(np.mean(recipe)), "edge_kl": float(np.mean(edge)), "random_kl": 0.26,
+          "num_prompts": len(recipe), "recipe_kl_prompts": recipe, "edge_kl_prompts": edge}
+
+
+def test_claim2_out_of_sample_with_an_interval_over_prompts():
+  ins = {"recipe_kl": 0.12, "edge_kl": 0.29, "random_kl": 0.27, "num_prompts": 12}
+  rng = np.random.default_rng(0)
+  edge = (0.28 + 0.05 * rng.standard_normal(12)).tolist()
+  better = (np.asarray(edge) - 0.1 + 0.02 * rng.standard_normal(12)).tolist()
+  v = V.recipe_out_of_sample([2, 10], [0, 19], ins, heldout(better, edge))
+  assert v.outcome == "holds" and v.evidence["difference"][2] < 0, v.reason
+  worse = (np.asarray(edge) + 0.05 + 0.02 * rng.standard_normal(12)).tolist()
+  v = V.recipe_out_of_sample([2, 10], [0, 19], ins, heldout(worse, edge))
+  assert v.outcome == "does not hold" and v.evidence["difference"][1] >= 0, v.reason  # in-sample it beat them
+  # A lower mean by a margin inside the prompts' spread: the interval reaches 0.
+  noisy = (np.asarray(edge) - 0.01 + 0.1 * rng.standard_normal(12)).tolist()
+  v = V.recipe_out_of_sample([2, 10], [0, 19], ins, heldout(noisy, edge))
+  lo, hi = v.evidence["difference"][1:]
+  assert v.outcome == "inconclusive" and lo < 0 < hi and "reaches 0" in v.reason, v.reason
+  # 8 held-out prompts (the SmolLM2 run's): no verdict from the interval, even a clear one.
+  v = V.recipe_out_of_sample([2, 10], [0, 19], ins, heldout(better[:8], edge[:8]))
+  assert v.outcome == "inconclusive" and "needs at least 9" in v.reason
+  # ... a larger recipe KL over 8 prompts is not "does not hold" either: the falsifier asks for 9.
+  assert V.recipe_out_of_sample([2, 10], [0, 19], ins, heldout(worse[:8], edge[:8])).outcome == "inconclusive"
+  assert V.recipe_out_of_sample([0, 1], [1, 0], ins, heldout(edge, edge)).outcome == "inconclusive"
   assert "in-sample only" in V.recipe_out_of_sample([2, 10], [0, 19], ins, None).reason
+  old = {k: v for k, v in heldout(better, edge).items() if not k.endswith("_prompts")}  # a result of before
+  assert "no per-prompt" in V.recipe_out_of_sample([2, 10], [0, 19], ins, old).reason
 
 
 def test_a_verdict_outside_the_three_outcomes_is_refused():
@@ -152,14 +219,11 @@ def test_a_verdict_outside_the_three_outcomes_is_refused():
     V.Verdict("1", "holds (mostly)", "", "", {})
 
 
-def test_study_design_extends_until_a_clear_failure_and_places_candidates_around_the_budget():
+def test_study_design_places_candidates_around_the_budget():
   from opdjax.analyses import study_design
 
   clean = {"view": "clean", "mismatch": 0.0, "reverse_kl": CLEAN}
-  mild = [clean, point("noise_sigma=0.4", 0.2, 1.01)]
-  assert str(study_design.extend_until_failure(mild, fit_for(mild))) == "noise_sigma=0.8"
-  failed = [*mild, point("noise_sigma=0.8", 0.9, 2.5)]
-  assert study_design.extend_until_failure(failed, fit_for(failed)) is None
+  failed = [clean, point("noise_sigma=0.4", 0.2, 1.01), point("noise_sigma=0.8", 0.9, 2.5)]
   fams = {"clean": "clean", "noise_sigma=0.4": "noise", "noise_sigma=0.8": "noise"}
   budget = {"budget": 0.2, "fit": fit_for(failed),
             "points": [{**p, "family": fams[p["view"]], "pass": p["mismatch"] < 0.5} for p in failed]}
@@ -190,7 +254,58 @@ def test_seeds_for_power_come_from_the_clean_spread():
   assert got["seeds"] == 5 and got["needed"] == {"reverse_kl": 5} and got["clean_std"]["reverse_kl"] == 0.5
   assert seeds(wide, max_seeds=4)["seeds"] == 4  # the run budget caps it; the verdict then says underpowered
   assert seeds(wide, start=0.5) == {"seeds": 3, "needed": {"reverse_kl": None}, "max_seeds": 12,
-                                    "clean_std": {"reverse_kl": 0.5}}  # no learning: no seeds help
+                                    "clean_std": {"reverse_kl": 0.5}, "floor_limits": []}  # no learning
+  # A floor of 60% of the clean 1.0 exceeds half the 2.0 gain: seeds cannot give power, and it is said.
+  assert seeds(CLEAN)["floor_limits"] == [] and study_design.seeds_for_power(
+      {"reverse_kl": CLEAN}, {"reverse_kl": 3.0}, 3.0, 3, 12, tolerance_rel=1.2)["floor_limits"] == ["reverse_kl"]
   # Accuracy improves upward; the most-needing metric decides (std 0.2, gain 0.4: 2 * 3^2 = 18).
   got = seeds(CLEAN, accuracy=[0.2, 0.4, 0.6], max_seeds=20)
   assert got["needed"] == {"reverse_kl": 2, "accuracy": 18} and got["seeds"] == 18
+
+
+# --- each rule against its written falsifier -------------------------------------------------------
+
+def random_verdicts(rng, n=150):
+  """Rule outcomes on random stage results (every branch of every rule among them)."""
+  out = []
+  for _ in range(n):
+    clean = (1.0 + rng.uniform(0.005, 0.05) * rng.standard_normal(3)).tolist()
+    pts = [{"view": "clean", "mismatch": 0.0, "reverse_kl": clean}]
+    for i in range(rng.integers(1, 5)):
+      c = 1.0 + rng.choice([0.0, 0.05, 0.3, 1.5]) * rng.uniform(0, 1)
+      pts.append({"view": f"v{i}", "mismatch": float(rng.uniform(0, 2)),
+                  "reverse_kl": (c + rng.uniform(0.0, 0.3) * rng.standard_normal(3)).tolist()})
+    fit = fit_for(pts, rel=float(rng.choice([0.0, 0.05, 0.6])))
+    if rng.uniform() < 0.2:
+      fit["budget"] = float(rng.uniform(0, 2))  # a fit that need not agree with the verdict's bracket
+    out.append(V.budget_bracket(pts, fit, {"reverse_kl": float(rng.choice([1.01, 1.5, 3.0]))},
+                                {"used": 9, "budget": 12}))
+    k = int(rng.integers(2, 14))
+    edge = 0.3 + 0.05 * rng.standard_normal(k)
+    rec = edge + rng.choice([-0.1, 0.0, 0.05]) + rng.uniform(0.001, 0.1) * rng.standard_normal(k)
+    layers = [0, 19] if rng.uniform() < 0.15 else [2, 10]
+    out.append(V.recipe_out_of_sample(layers, [0, 19], {}, heldout(rec.tolist(), edge.tolist())))
+    reps = int(rng.integers(1, 4))
+    views = [ps_view(f"w{i}", (rng.choice([0.2, 0.6]) + 0.03 * rng.standard_normal(reps)).tolist(),
+                     (2.0 + 0.1 * rng.standard_normal(reps)).tolist(),
+                     (2.0 + rng.choice([-1.0, -0.05, 0.3]) + 0.2 * rng.standard_normal(reps)).tolist(),
+                     shared=float(rng.choice([0.0, 0.0, 0.0, 1e-3]))) for i in range(rng.integers(1, 3))]
+    views = [{**v, "prefix_shift_shared": v["prefix_shift_shared"][:reps]} for v in views]
+    out.append(V.prefix_shift_vs_floor(views, {"prefix_shift": (0.25 + 0.01 * rng.standard_normal(reps)).tolist()}))
+    out.append(V.admission_vs_trivial(rows(*[(str(rng.choice(["accept", "reject"])), bool(rng.uniform() < 0.6))
+                                             for _ in range(rng.integers(1, 7))]), bool(rng.uniform() < 0.85)))
+  return out
+
+
+def test_every_rule_says_does_not_hold_exactly_when_its_written_falsifier_is_met():
+  got = random_verdicts(np.random.default_rng(1))
+  for v in got:
+    f = V.FALSIFIER[v.claim]
+    assert v.falsifier == V.FALSIFIERS[v.claim] == f.text
+    assert all(c.text in v.falsifier for c in (f.event, *f.when))  # the words are the clauses tested
+    assert (v.outcome == "does not hold") == f.met(v.evidence), (v.claim, v.outcome, v.reason)
+    if v.outcome == "holds":  # evidence only if the run could have produced the other verdict
+      assert all(c.test(v.evidence) for c in f.when), (v.claim, v.reason)
+    json.dumps(v.to_dict())
+  reached = {(v.claim, v.outcome) for v in got}
+  assert reached == {(c, o) for c in ("1", "2", "4", "5") for o in V.OUTCOMES}, sorted(reached)

@@ -28,7 +28,7 @@ import time
 import ml_collections
 import numpy as np
 
-from opdjax.analyses import reporting
+from opdjax.analyses import bracket, reporting
 from opdjax.analyses.mismatch import Measurer, parse_views, warmup_history
 from opdjax.analyses.sweep import final_quality, sweep_config, train_run
 from opdjax.analyses.verdicts import QUALITY, clean_gain, seeds_needed
@@ -94,10 +94,15 @@ def fit_budget(points: list[dict], seeds: int, tolerance_sigmas: float, toleranc
   metrics = [m for m in QUALITY if all(p.get(m) for p in points)]
   fit = {"metrics": metrics, "seeds": seeds, "tolerance_sigmas": tolerance_sigmas, "tolerance_rel": tolerance_rel,
          "clean_std": {}, "tolerance": {}}
+  fit["tolerance_spread"], fit["tolerance_floor"], fit["tolerance_set_by"] = {}, {}, {}
   for m in metrics:
     s = float(np.std(clean[m], ddof=1))
     fit["clean_std"][m] = s
-    fit["tolerance"][m] = max(tolerance_sigmas * s * np.sqrt(2.0 / seeds), tolerance_rel * abs(np.median(clean[m])))
+    spread = float(tolerance_sigmas * s * np.sqrt(2.0 / seeds))
+    floor = float(tolerance_rel * abs(np.median(clean[m])))
+    fit["tolerance_spread"][m], fit["tolerance_floor"][m] = spread, floor
+    fit["tolerance"][m] = max(spread, floor)
+    fit["tolerance_set_by"][m] = "clean spread" if spread >= floor else "floor"
   for p in points:
     p["quality_loss"], p["pass"] = judge(p, clean, fit)
   failing = [p["mismatch"] for p in points if not p["pass"]]
@@ -139,13 +144,12 @@ def caveats(points: list[dict], fit: dict, start: dict) -> list[str]:
   return out
 
 
-def calibrate(cfg: Config, out_dir: str, progress: bool = True, extend=None, max_runs: int | None = None,
-              power=None) -> dict:
+def calibrate(cfg: Config, out_dir: str, progress: bool = True, power=None) -> dict:
   """`power(clean_point, start) -> {"seeds": n, ...}`: after the clean view's `calibrate.seeds` pilot
   runs, the seed count every view gets (the clean view is topped up to n and asked again until n stops
-  growing; never fewer than the pilot's). `extend(points, fit) -> EngineView | None`: after the
-  configured views, the next view to add (None: stop), asked while fewer than `max_runs` training runs
-  (views x seeds) have been spent."""
+  growing; never fewer than the pilot's). With `calibrate.bracket`, after the configured views the
+  steps of `opdjax.analyses.bracket.next_step` (more seeds for a straddling view, the next noise rung)
+  run until it stops; budget.json's `bracket` records both sides."""
   c = cfg.calibrate
   views, max_lag = parse_views(c.views, c.warmup_steps, "calibrate")
   require_clean(views, f"calibrate.views={c.views!r}")
@@ -193,13 +197,20 @@ def calibrate(cfg: Config, out_dir: str, progress: bool = True, extend=None, max
   for view in progress_bar([v for v in views if str(v) != "clean"], desc="calibrate views", enabled=progress):
     add(view, seeds)
   fit = fit_budget(points, seeds, c.tolerance_sigmas, c.tolerance_rel)
-  added = []
-  while extend is not None and (len(points) + 1) * seeds <= (max_runs or 0):
-    view = extend(points, fit)
-    if view is None or str(view) in {p["view"] for p in points}:
+  added, steps, stop = [], [], None
+  while c.bracket:
+    step = bracket.next_step(points, fit, seeds, max(c.max_seeds, seeds), c.bracket_factor, c.bracket_ceiling,
+                             c.max_runs)
+    steps.append(step.to_dict())
+    if step.kind == "stop":
+      stop = step
       break
-    add(view, seeds)
-    added.append(str(view))
+    if step.kind == "seeds":
+      point = next(p for p in points if p["view"] == step.view)
+      run_seeds(point, EngineView.parse(step.view), step.seeds)
+    else:
+      add(EngineView.parse(step.view), step.seeds)
+      added.append(step.view)
     fit = fit_budget(points, seeds, c.tolerance_sigmas, c.tolerance_rel)
   session.close()
   why = untrusted(points, fit, start)
@@ -211,7 +222,9 @@ def calibrate(cfg: Config, out_dir: str, progress: bool = True, extend=None, max
       "budget": fit["budget"],
       "scale": "token mean of exact KL(engine || trainer) on the calibration batch",
       "fit": fit, "points": points, "protocol": cal.protocol, "start": {m: start[m] for m in fit["metrics"]},
-      "extension": {"max_runs": max_runs, "runs": len(points) * seeds, "added": added},
+      "extension": {"max_runs": c.max_runs if c.bracket else None, "runs": bracket.runs_used(points, fit),
+                    "added": added},
+      "bracket": None if stop is None else {**bracket.sides(points, fit, stop, c.bracket_ceiling), "steps": steps},
       "power": {"pilot_seeds": c.seeds, "seeds": seeds, "rounds": rounds},
       "warning": why or None,
       "caveats": caveats(points, fit, start),
@@ -376,7 +389,12 @@ def report(result: dict) -> str:
   rows = [{"view": p["view"], "mismatch": p["mismatch"],
            **{m: f"{np.median(p[m]):.4f} (seeds {', '.join(f'{x:.3f}' for x in p[m])})" for m in fit["metrics"]},
            **{f"loss_{m}": p["quality_loss"][m] for m in fit["metrics"]}, "pass": p["pass"]} for p in result["points"]]
-  tol = ", ".join(f"{m} {v:.4g}" for m, v in fit["tolerance"].items())
+  set_by = fit.get("tolerance_set_by", {})  # budgets of before the power rule's record have none
+  tol = ", ".join(f"{m} {v:.4g}" + (f" (set by the {set_by[m]}: spread {fit['tolerance_spread'][m]:.4g}, floor "
+                                    f"{fit['tolerance_floor'][m]:.4g})" if m in set_by else "")
+                  for m, v in fit["tolerance"].items())
   notes = "".join(f"\ncaveat: {c}" for c in result.get("caveats", []))  # budgets of before caveats have none
+  side = result.get("bracket")
+  bracketed = (f"\nbracket: {side['statement']} ({side['reason']}; {len(side['steps'])} steps)" if side else "")
   return (reporting.markdown_table(rows) + f"\n\ntolerance: {tol}\nbudget: {result['budget']:.4g}"
-          f" (exact KL per token; monotone: {fit['monotone']})" + notes)
+          f" (exact KL per token; monotone: {fit['monotone']})" + bracketed + notes)

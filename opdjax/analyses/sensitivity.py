@@ -60,7 +60,7 @@ from opdjax.progress import bar as progress_bar
 from opdjax.rollout import SamplingParams
 from opdjax.rollout.deploy import jax_engine
 from opdjax.rollout.sampling import sampling_logprobs
-from opdjax.scoring.rescore import TrainBatch, batch_from_rollout, chunked_over_positions, masked_mean
+from opdjax.scoring.rescore import TrainBatch, batch_from_rollout, chunked_over_positions
 from opdjax.views import perturb
 
 ROLES = ("teacher", "student")
@@ -137,8 +137,10 @@ def _clean_logp(model: Model, temperature: float, chunk: int, params, batch: Tra
 
 
 def _kl_to_clean(model: Model, sampling: SamplingParams, chunk: int, params_in, params_out, clean_logp_BxNxV,
-                 batch: TrainBatch) -> jax.Array:
-  """Masked mean over completion tokens of KL(perturbed engine || clean), as `mismatch.exact_kl`."""
+                 batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
+  """Per sequence, the masked sum over completion tokens of KL(perturbed engine || clean) (as
+  `mismatch.exact_kl`) and the token count: `[B]` each, so both the pooled token mean and per-prompt
+  values come from one compiled function."""
 
   def per_chunk(logits, logp):
     logq = sampling_logprobs(logits, sampling)
@@ -146,7 +148,8 @@ def _kl_to_clean(model: Model, sampling: SamplingParams, chunk: int, params_in, 
     return jnp.sum(jnp.where(q > 0, q * (logq - logp), 0.0), axis=-1)
 
   kl_BxN = _over_completions(model, params_in, params_out, batch, chunk, per_chunk, clean_logp_BxNxV)
-  return masked_mean(kl_BxN, batch["loss_mask"])
+  mask_BxN = batch["loss_mask"].astype(jnp.float32)
+  return jnp.sum(kl_BxN * mask_BxN, axis=-1), jnp.sum(mask_BxN, axis=-1)
 
 
 class Scorer:
@@ -161,9 +164,20 @@ class Scorer:
     self.fn = jax.jit(functools.partial(_kl_to_clean, model, sampling, chunk))
 
   def kl(self, params_in, params_out=None) -> float:
-    """`params_out` (default `params_in`) computes the logits; `params_in` everything before."""
+    """The token mean over the batch; `params_out` (default `params_in`) computes the logits,
+    `params_in` everything before."""
+    sums_B, counts_B = self._rows(params_in, params_out)
+    return float(sums_B.sum() / max(counts_B.sum(), 1.0))
+
+  def kl_rows(self, params_in, params_out=None) -> np.ndarray:
+    """Each sequence's token mean `[B]` (a sequence without completion tokens counts 0)."""
+    sums_B, counts_B = self._rows(params_in, params_out)
+    return sums_B / np.maximum(counts_B, 1.0)
+
+  def _rows(self, params_in, params_out):
     out = params_in if params_out is None else params_out
-    return float(self.fn(params_in, out, self.clean_logp, self.batch))
+    sums_B, counts_B = self.fn(params_in, out, self.clean_logp, self.batch)
+    return np.asarray(sums_B, np.float64), np.asarray(counts_B, np.float64)
 
 
 def sample_tokens(model: Model, params, prompts, sampling: SamplingParams, seed: int, max_len: int, pad_id: int,
@@ -277,13 +291,17 @@ def analyse(model: Model, params, scorer: Scorer, settings: Settings, progress: 
 
 def score_recipes(model: Model, params, scorer: Scorer, results: dict) -> dict:
   """The recipe's, the same-memory edge layers' and the random choices' KL re-measured on `scorer`'s
-  tokens (other prompts than the ones the ranking was chosen on): {recipe_kl, edge_kl, random_kl}."""
+  tokens (other prompts than the ones the ranking was chosen on): {recipe_kl, edge_kl, random_kl}
+  (token means) and the recipe's and edge layers' per-prompt token means (`*_kl_prompts`, for the
+  study's paired interval over prompts)."""
   rec, base = results["recipe"], results["baselines"]
   quant_all = perturb.apply_recipe(params, recipe_rows([], rec["format"], "lm_head" in params))
   bf16_all = perturb.apply_recipe(params, [("*", "bf16")])
   kl = lambda layers: scorer.kl(_mix(bf16_all, quant_all, layers))  # noqa: E731
+  rows = lambda layers: scorer.kl_rows(_mix(bf16_all, quant_all, layers)).tolist()  # noqa: E731
   return {"recipe_kl": kl(rec["bf16_layers"]), "edge_kl": kl(base["edge"]["bf16_layers"]),
           "random_kl": float(np.mean([kl(s) for s in base["random"]["bf16_layers"]])),
+          "recipe_kl_prompts": rows(rec["bf16_layers"]), "edge_kl_prompts": rows(base["edge"]["bf16_layers"]),
           "num_prompts": int(scorer.batch["loss_mask"].shape[0]), "num_tokens": int(jnp.sum(scorer.batch["loss_mask"]))}
 
 

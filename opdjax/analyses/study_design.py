@@ -1,7 +1,7 @@
 """scripts/reproduce.py's design choices that give its verdicts power (opdjax.analyses.verdicts):
-how many seeds each calibration view gets (from the clean runs' spread), which views extend the
-calibration until one fails, and which admission candidates straddle the budget. Pure functions of
-the calibration's points."""
+how many seeds each calibration view gets (from the clean runs' spread) and which admission
+candidates straddle the budget. Pure functions of the calibration's points. (Which views extend the
+calibration until one fails is `calibrate.bracket`'s rule: opdjax.analyses.bracket.)"""
 
 from __future__ import annotations
 
@@ -15,33 +15,26 @@ def _sigma(view: str) -> float:
   return EngineView.parse(view).noise_sigma
 
 
-def seeds_for_power(clean: dict, start: dict, tolerance_sigmas: float, pilot: int, max_seeds: int) -> dict:
+def seeds_for_power(clean: dict, start: dict, tolerance_sigmas: float, pilot: int, max_seeds: int,
+                    tolerance_rel: float = 0.0) -> dict:
   """`admission.calibrate`'s `power`: the seeds each view needs for claim 1's power rule, from the
   clean runs so far. Per metric, `verdicts.seeds_needed(s_clean, gain, k)`: the smallest n with
   k * s_clean * sqrt(2/n) <= gain / 2 (s_clean the clean seeds' std, gain the clean median's
   improvement over the starting student); the most any learning metric needs, at least `pilot`, at
   most `max_seeds` (the run budget's share of one view). A metric that did not learn needs nothing
-  (claim 1 is inconclusive on it whatever the seeds)."""
-  needed = {}
+  (claim 1 is inconclusive on it whatever the seeds). `floor_limits`: the metrics whose floor
+  (`tolerance_rel` x |clean median|) alone exceeds half the gain: seeds cannot give those power,
+  longer runs or a lower floor can."""
+  needed, floor_limits = {}, []
   for m in verdicts.QUALITY:
     if clean.get(m):
       gain = verdicts.clean_gain(clean, start, m)
       needed[m] = verdicts.seeds_needed(float(np.std(clean[m], ddof=1)), gain, tolerance_sigmas)
+      if gain > 0 and tolerance_rel * abs(float(np.median(clean[m]))) > gain / 2:
+        floor_limits.append(m)
   want = max([n for n in needed.values() if n is not None], default=pilot)
   return {"seeds": int(min(max(want, pilot), max(max_seeds, pilot))), "needed": needed, "max_seeds": max_seeds,
-          "clean_std": {m: float(np.std(clean[m], ddof=1)) for m in needed}}
-
-
-def extend_until_failure(points: list[dict], fit: dict) -> EngineView | None:
-  """`admission.calibrate`'s `extend`: while no view fails with its quality-loss interval clear of
-  the tolerance, the next view doubles the largest noise tried (None: a clear failure exists)."""
-  clean = next(p for p in points if p["view"] == "clean")
-  for p in points:
-    loss = verdicts.view_loss(p, clean, fit["metrics"])
-    if any(loss[m][1] > fit["tolerance"][m] for m in fit["metrics"]):
-      return None
-  top = max(_sigma(p["view"]) for p in points)
-  return EngineView(noise_sigma=float(f"{2 * top:.3g}") if top > 0 else 0.1)
+          "clean_std": {m: float(np.std(clean[m], ddof=1)) for m in needed}, "floor_limits": floor_limits}
 
 
 def candidates(recipe_weights: str, warmup_steps: int, budget: dict) -> str:

@@ -83,9 +83,25 @@ class CalibrateConfig:
   num_prompts: int = 128
   seed: int = 0
   force: bool = False  # write a budget even when the clean runs did not learn (it is then marked untrusted)
+  # `--bracket` (opdjax.analyses.bracket): after the views, more seeds where an interval straddles the
+  # tolerance and noise rungs (x bracket_factor) until a view fails clearly or the next rung passes
+  # bracket_ceiling (noise sigma); max_seeds caps a straddling view's seeds (never below calibrate.seeds),
+  # max_runs all training runs (0: no cap).
+  bracket: bool = False
+  bracket_factor: float = 2.0
+  bracket_ceiling: float = 12.8
+  max_seeds: int = 8
+  max_runs: int = 0
 
   def check(self):
     check_views("calibrate.views", self.views)
+    if self.bracket_factor <= 1:
+      raise UserError(f"calibrate.bracket_factor={self.bracket_factor}: the ladder must grow; use e.g. 2.0.")
+    if self.bracket_ceiling <= 0:
+      raise UserError(f"calibrate.bracket_ceiling={self.bracket_ceiling}: give the largest noise sigma to try (> 0).")
+    check_positive("calibrate.max_seeds", self.max_seeds)  # a view gets at least calibrate.seeds whatever it says
+    if self.max_runs < 0:
+      raise UserError(f"calibrate.max_runs={self.max_runs}: give 0 (no cap) or a positive run count.")
     if self.seeds < 2:
       raise UserError(f"calibrate.seeds={self.seeds}: the tolerance needs the seed variance; use at least 2 seeds.")
     check_positive("calibrate.seeds", self.seeds)
