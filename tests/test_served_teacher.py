@@ -52,6 +52,18 @@ def test_a_top_k_above_the_vocabulary_is_refused_before_anything_is_written(demo
   assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
 
 
+def test_per_host_urls_must_split_evenly_over_the_hosts(monkeypatch):
+  """teacher.vllm.per_host: each host's processes score against their own host's share of the attached URLs."""
+  from opdjax.parallel import multihost
+  from opdjax.rollout import deploy
+
+  monkeypatch.setattr(multihost, "hosts", lambda: [[0, 1], [2, 3]])
+  cfg = _cfg(**{"teacher.vllm.per_host": True, "teacher.vllm.urls": "http://127.0.0.1:1,http://127.0.0.1:2,"
+                                                                    "http://127.0.0.1:3"})
+  with pytest.raises(UserError, match=r"per_host with 3 attached URL\(s\) over 2 hosts: .* a multiple of 2"):
+    deploy._plan_teacher(cfg, 4)
+
+
 def test_grpo_and_a_pruned_served_teacher_are_refused_naming_the_fix(tmp_path):
   from opdjax.pipeline import build as run_build
   from opdjax.pipeline.stages import GrpoObjective

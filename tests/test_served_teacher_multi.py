@@ -167,3 +167,44 @@ def test_admit_teacher_admits_fp32_reports_bf16_and_refuses_a_wrong_replica(file
   assert figures["fp32"][0] < 1e-6  # fp32 against fp32: rounding
   assert figures["bf16"][0] > 10 * max(figures["fp32"][0], 1e-9)  # bf16 is visibly further, and reported
   assert figures["wrong"][0] < 1e-6 and figures["wrong"][1] > 1e-3  # the wrong replica alone is refused
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_sigkilled_two_process_trainer_leaves_no_teacher_server(files, tmp_path):
+  """Both trainer processes SIGKILLed once process 0's teacher server answers: every process of that server
+  (supervisor, API server, engine core) is gone within 10 s, as the rollout servers' are (test_orphans)."""
+  import signal
+  import time
+
+  from test_orphans import GONE_WITHIN_S, children_of
+
+  port, procs = free_port(), []
+  (tmp_path / "run").mkdir()
+  for i in range(2):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "2"}
+    env.pop("OPDJAX_SIDECAR_TOKEN", None)
+    with open(tmp_path / f"proc{i}.log", "w") as log:
+      procs.append(subprocess.Popen([sys.executable, "-m", "opdjax.cli",
+                                     *_args(files, tmp_path / "run" / "out", ["--config.train.steps=400"]),
+                                     "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                                     str(i)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+  try:
+    deadline = time.time() + 600
+    while time.time() < deadline and "OPD: step" not in (tmp_path / "proc0.log").read_text():
+      assert all(p.poll() is None for p in procs), (tmp_path / "proc0.log").read_text()[-3000:]
+      time.sleep(0.5)
+    alive = children_of(procs[0].pid)
+    assert alive, "no teacher server found alive: the search would pass anything"
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.kill(p.pid, signal.SIGKILL)
+      p.wait()
+  t0, left = time.time(), alive
+  while left and time.time() - t0 < GONE_WITHIN_S:
+    time.sleep(0.05)
+    left = children_of(procs[0].pid)
+  for pid in left:
+    os.kill(pid, signal.SIGKILL)
+  assert not left, f"{len(left)} of the teacher server's {len(alive)} processes alive {GONE_WITHIN_S:.0f} s later"
