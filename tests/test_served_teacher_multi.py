@@ -208,3 +208,28 @@ def test_a_sigkilled_two_process_trainer_leaves_no_teacher_server(files, tmp_pat
   for pid in left:
     os.kill(pid, signal.SIGKILL)
   assert not left, f"{len(left)} of the teacher server's {len(alive)} processes alive {GONE_WITHIN_S:.0f} s later"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_teacher_preflight_refuses_before_anything_is_trained(files, teacher_url, tmp_path, monkeypatch, capsys):
+  """teacher.preflight=true: the run's own pre-flight, before step 1; a budget below the fp32 server's rounding
+  refuses it with the table printed and nothing trained."""
+  from opdjax import cli
+  from opdjax.models.config import ModelConfig
+  from opdjax.models.hf_io import load_hf_params
+  from opdjax.pipeline.budget import BUDGET_FORMAT, params_fingerprint
+
+  url, token = teacher_url
+  monkeypatch.setenv("OPDJAX_SIDECAR_TOKEN", token)
+  student = load_hf_params(str(files / "student"), ModelConfig.from_pretrained(str(files / "student")))
+  budget = tmp_path / "budget.json"
+  budget.write_text(json.dumps({"format": BUDGET_FORMAT, "budget": 1e-15, "student_fingerprint":
+                                params_fingerprint(student), "config": {"rollout": {}}}))
+  out = tmp_path / "run"
+  rc = cli.main(["train", *_args(files, out, [f"--config.teacher.vllm.url={url}", "--config.teacher.preflight=true",
+                                              f"--config.train.budget={budget}"])[1:]])
+  err = capsys.readouterr().err
+  assert rc == 2 and "teacher.preflight refused the served teacher" in err, err[-2000:]
+  assert "opdjax admit --teacher: 8 probe rows" in err and "refuse" in err
+  assert not (out / "metrics.jsonl").exists()
