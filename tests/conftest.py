@@ -298,7 +298,7 @@ SESSION_SERVER_FILES = ("test_vllm.py", "test_vllm_multi.py", "test_vllm_auth.py
 # Files that start several vLLM servers of their own (each ~1.5 GiB resident and 2 busy processes): one
 # work unit, so one worker runs them one after the other. Run side by side, the full suite on the 2-core,
 # 23 GiB box held 5-6 servers at once, ran out of memory (a worker died) and took 49 min.
-SERVER_HEAVY_FILES = ("test_served_teacher.py", "test_served_teacher_vllm.py", "test_served_teacher_multi.py")
+SERVER_HEAVY_FILES = ("test_served_teacher.py", "test_served_teacher_vllm.py")
 
 UNITS = {**dict.fromkeys(SESSION_SERVER_FILES, "the session's vLLM server"),
          **dict.fromkeys(SERVER_HEAVY_FILES, "the served teachers' servers")}
