@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -264,13 +265,15 @@ class RunCheckpointer:
     also go (`LoopClosedNoise`)."""
     path = os.path.join(self.directory, "latest", str(step))
     name = "restore_errors.log" if jax.process_index() == 0 else f"restore_errors.process{jax.process_index()}.log"
-    log = os.path.join(self.directory, name)
-    os.makedirs(self.directory, exist_ok=True)
-    with open(log, "a") as f:
-      f.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')}: checkpoint step {step} at {path}\n")
-      f.write("".join(traceback.format_exception(e)))
-      if printed:
-        f.write(f"-- printed during the restore:\n{printed}")
+    entry = (f"== {time.strftime('%Y-%m-%d %H:%M:%S')}: checkpoint step {step} at {path}\n"
+             + "".join(traceback.format_exception(e)) + (f"-- printed during it:\n{printed}" if printed else ""))
+    for log in (os.path.join(self.directory, name), os.path.join(tempfile.gettempdir(), f"opdjax_{name}")):
+      try:  # (a checkpoint folder we may not write to, e.g. one exported from: the temp folder)
+        with open(log, "a") as f:
+          f.write(entry)
+        break
+      except OSError:
+        continue
     LoopClosedNoise.route_to(log)
     return CheckpointUnreadable(step, path, f"{type(e).__name__}: {_short(e)}", log)
 
