@@ -137,6 +137,7 @@ def _error(e: Exception | str, code: int = 2) -> int:
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   args, extra = build_parser(argv).parse_known_args(argv)
+  args.argv_ = argv  # what the user ran: messages that say "run this again" quote it
   cmd = args.command_
   if extra and cmd.config is None:
     args.parser_.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import os
+import shlex
 
 from opdjax.config.resolve import resolve_config
 from opdjax.errors import UserError
@@ -86,7 +87,7 @@ def train(args, overrides) -> int:
 
   distributed.check_same_config(cfg.to_dict())
   result = run_train(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback,
-                 overwrite=args.overwrite)
+                     overwrite=args.overwrite, command=shlex.join(["opdjax", *getattr(args, "argv_", ["train"])]))
   distributed.finish()
   print(result.summary())
   if result.final_step == result.start_step:

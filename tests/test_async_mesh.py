@@ -145,6 +145,42 @@ def test_rollout_devices_is_a_count_or_a_set():
       build(apply_overrides(default_config(), {"rollout.async_depth": "1", "rollout.devices": bad}))
 
 
+ADVICE = r"""
+import jax
+from opdjax.errors import UserError
+from opdjax.parallel.devices import engine_devices
+print(len(jax.local_devices()), len(engine_devices("9")))
+try:
+  engine_devices("12")
+except UserError as e:
+  print(e)
+"""
+
+
+def test_a_count_the_host_cannot_give_says_how_to_give_it_more_devices():
+  """rollout.devices=9 on a one-device host said 'give a count from 1 to 0'. It says the host has too few, and
+  how to give the process more; following that advice on CPU gives the engine its 9 devices."""
+  import jax
+
+  from opdjax.errors import UserError
+  from opdjax.parallel.devices import engine_devices, more_devices
+
+  with pytest.raises(UserError) as e:
+    engine_devices("9", jax.local_devices()[:1])
+  msg = str(e.value)
+  assert "this host has 1 cpu device(s): too few" in msg and "from 1 to 0" not in msg, msg
+  assert "XLA_FLAGS=--xla_force_host_platform_device_count=10" in msg and "ask for fewer" not in msg, msg
+  assert "CUDA_VISIBLE_DEVICES" in more_devices("gpu", 10) and "XLA_FLAGS" not in more_devices("gpu", 10)
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=10"}
+  env.pop("JAX_NUM_CPU_DEVICES", None)
+  res = subprocess.run([sys.executable, "-c", ADVICE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert res.returncode == 0, res.stderr[-2000:]
+  first, error = res.stdout.strip().splitlines()
+  assert first == "10 9"
+  assert "has 10 cpu device(s): too few" in error and "ask for fewer (rollout.devices from 1 to 9)" in error, error
+
+
 RESUME = ["--config", "configs/demo.py", "--config.task.num_eval=16", "--config.rollout.batch_size=16",
           "--config.train.steps=8", "--config.train.checkpoint_every=2", "--config.train.eval_every=2",
           "--config.mesh.fsdp=2"]

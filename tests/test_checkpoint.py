@@ -27,12 +27,12 @@ def _records(out):
   return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
-def _subprocess_train(out, fault=None):
+def _subprocess_train(out, fault=None, args=ARGS):
   env = {**os.environ, "PYTHONPATH": ROOT}
   env.pop("OPDJAX_FAULT", None)
   if fault:
     env["OPDJAX_FAULT"] = fault
-  return subprocess.run([sys.executable, "-m", "opdjax.cli", "train", "--out", str(out), *ARGS], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, "-m", "opdjax.cli", "train", "--out", str(out), *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
 
 
@@ -75,22 +75,27 @@ def test_resume_refusals_and_fallback(reference, tmp_path, capsys):
   assert cli.main(["train", "--out", str(out), *ARGS]) == 0
   assert "skipping incomplete checkpoint" in capsys.readouterr().err
   assert (out / "metrics.jsonl").read_text() == before
-  # Corrupt the newest checkpoint's arrays: the error names the step and path ...
+  # Truncate a file of the newest checkpoint's arrays (the OCDBT manifest: TensorStore's reads still in flight when
+  # the restore fails call back into Orbax's closed event loop, which printed ~100-370 lines of tracebacks). The
+  # command, run as a user runs it, prints one line: the step, where it moved, the command that resumes; the
+  # detail (TensorStore's error and spec, the tracebacks) goes to checkpoints/restore_errors.log.
   latest = out / "checkpoints" / "latest"
-  for root, _, files in os.walk(latest / "8"):
-    for f in files:
-      if f not in ("_CHECKPOINT_METADATA",) and "meta" not in root:
-        with open(os.path.join(root, f), "r+b") as fh:
-          fh.truncate(max(os.path.getsize(os.path.join(root, f)) // 3, 1))
-  rc = cli.main(["train", "--out", str(out), *ARGS[:1], ARGS[1], "--config.train.steps=10",
-                 *ARGS[3:], "--config.train.checkpoint_every=2"])
-  assert rc == 2
-  err = capsys.readouterr().err
-  assert "checkpoint step 8" in err and str(latest / "8") in err
-  # One short message naming the fix, not TensorStore's spec dump; the checkpoint moved aside with its reason.
+  manifest = latest / "8" / "state" / "manifest.ocdbt"
+  os.truncate(manifest, manifest.stat().st_size // 3)
+  ten = [*ARGS[:2], "--config.train.steps=10", *ARGS[3:]]
+  failed = _subprocess_train(out, args=ten)
+  assert failed.returncode == 2, failed.stderr[-3000:]
+  lines = failed.stderr.strip().splitlines()
+  errors = [line for line in lines if line.startswith("opdjax: error: ")]
+  assert len(lines) <= 3 and len(errors) == 1, failed.stderr[-3000:]
   corrupt = out / "checkpoints" / "corrupt" / "8"
-  assert "--resume-fallback" in err and "tensorstore_spec" not in err and len(err) < 1200, err
-  assert "now resumes from step 6" in err and str(corrupt) in err, err
+  log = out / "checkpoints" / "restore_errors.log"
+  err = errors[0]
+  assert "checkpoint step 8" in err and str(corrupt) in err and str(log) in err, err
+  assert f"`opdjax train --out {out} --config configs/demo.py" in err and "now resumes from step 6" in err, err
+  assert "--resume-fallback" in err and "tensorstore" not in err.lower() and len(err) < 1200, err
+  detail = log.read_text()
+  assert "Traceback" in detail and "manifest.ocdbt" in detail and "checkpoint step 8" in detail
   assert not (latest / "8").exists() and "cannot be restored" in (corrupt / "REASON").read_text()
   assert len((corrupt / "REASON").read_text().splitlines()) == 1
   # ... export no longer lists it, and the same command continues from step 6, re-running 7..10 once each.
@@ -176,6 +181,42 @@ def test_rescoring_a_rollout_after_resume_is_bit_exact(reference):
 
   (t1, lp1), (t2, lp2) = rescore(params), rescore(live)
   assert np.array_equal(t1, t2) and np.array_equal(lp1, lp2)
+
+
+def test_a_run_state_comes_back_whole_from_its_checkpoint(tmp_path):
+  """The checkpoint format in one place: what RunState saves (tree and metadata together) restores into a
+  fresh state's shapes as the same RunState, including what the config cannot say: the view and depth the
+  guard's backoffs left the sampler at, the guard's state, the params history. Another student is refused."""
+  import jax.numpy as jnp
+
+  from opdjax.errors import UserError
+  from opdjax.pipeline.checkpoint import CheckpointOfAnotherModel, RunState
+  from opdjax.training.step import OptimConfig, TrainState, make_optimizer
+  from opdjax.views.view import EngineView
+
+  def state(seed):
+    params = {"w": jax.random.normal(jax.random.key(seed), (4, 3)), "b": jnp.full((3,), float(seed))}
+    return TrainState.create(params, make_optimizer(OptimConfig()))
+
+  saved, older = state(1), state(2)
+  run = RunState(step=6, train=saved, history_versions=[5, 6], history=[older.params, saved.params],
+                 last_eval={"reverse_kl": 0.25, "eval_step": 6}, config={"seed": 3, "rollout": {"view": "lag=1"}},
+                 student_config={"hidden_size": 32}, kind="jax", view=EngineView(weights="fp8"), depth=1,
+                 async_mode="exact", sampling={"temperature": 1.0}, teacher_view="clean",
+                 guard={"values": [0.5], "skip": 1, "events": 2}, versions={"opdjax": "x"})
+  ckpt = RunCheckpointer(str(tmp_path / "ck"))
+  ckpt.save_run(run)
+  ckpt.wait()
+  back = ckpt.restore_run(6, state(0), student_config={"hidden_size": 32})
+  with pytest.raises(CheckpointOfAnotherModel, match="hidden_size: 32 in the checkpoint, 48 now"):
+    ckpt.restore_run(6, state(0), student_config={"hidden_size": 48})
+  ckpt.close()
+  assert isinstance(CheckpointOfAnotherModel("x"), UserError)
+  for a, b in zip(jax.tree.leaves((run.train, run.history)), jax.tree.leaves((back.train, back.history)), strict=True):
+    assert np.array_equal(a, b)
+  assert not np.array_equal(back.history[0]["w"], back.history[1]["w"])  # two versions, each its own
+  assert back.view == EngineView(weights="fp8") and back.depth == 1 and back.guard == run.guard
+  assert back.meta() == run.meta()  # every metadata field, the same JSON
 
 
 SHARDED = r"""

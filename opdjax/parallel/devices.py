@@ -38,22 +38,38 @@ def parse(spec: str) -> tuple[str, tuple[int, ...]]:
   return "set", tuple(int(p) for p in idx)
 
 
+def more_devices(platform: str, need: int) -> str:
+  """How to give this process `need` devices of `platform`."""
+  if platform == "cpu":
+    return (f"on CPU, start it with XLA_FLAGS=--xla_force_host_platform_device_count={need} (or"
+            f" JAX_NUM_CPU_DEVICES={need}) in its environment")
+  if platform in ("gpu", "cuda", "rocm"):
+    return (f"on GPU, make {need} GPUs visible to it (CUDA_VISIBLE_DEVICES, when set, lists the ones it sees), on a"
+            f" host that has {need}")
+  return f"run it on a host with {need} {platform} devices"
+
+
 def engine_devices(spec: str, local: list | None = None) -> list:
   """The devices `rollout.devices` names, out of this host's `local` devices."""
   local = list(jax.local_devices() if local is None else local)
   kind, vals = parse(spec)
-  hint = "; on CPU set JAX_NUM_CPU_DEVICES to give the process more host devices" if local[0].platform == "cpu" else ""
+  platform = local[0].platform
   if kind == "count":
     n = vals[0]
-    if not 0 < n <= len(local):
-      raise UserError(f"rollout.devices={spec!r} asks for {n} device(s) for the JAX engine; this host has {len(local)}"
-                      f" {local[0].platform} device(s): give a count from 1 to {len(local) - 1}, leaving the trainer"
-                      f" at least one{hint}.")
+    if n < 1:
+      raise UserError(f"rollout.devices={spec!r}: give the JAX engine a count of at least 1 device (or leave"
+                      " rollout.devices empty).")
+    if n > len(local) or len(local) == 1:  # (a count of all of two or more devices: `split` names the fix)
+      fewer = f", or ask for fewer (rollout.devices from 1 to {len(local) - 1})" if len(local) > 1 else ""
+      raise UserError(f"rollout.devices={spec!r} asks for {n} device(s) for the JAX engine and the trainer needs one"
+                      f" more, but this host has {len(local)} {platform} device(s): too few. Give the process"
+                      f" {n + 1}: {more_devices(platform, n + 1)}{fewer}.")
     return local[len(local) - n:]
   missing = [i for i in vals if i >= len(local)]
   if missing:
     raise UserError(f"rollout.devices={spec!r} names device(s) {', '.join(map(str, missing))}, which this host"
-                    f" lacks: it has {len(local)} {local[0].platform} device(s), indices 0..{len(local) - 1}{hint}.")
+                    f" lacks: it has {len(local)} {platform} device(s), indices 0..{len(local) - 1}. Give the process"
+                    f" {max(vals) + 1}: {more_devices(platform, max(vals) + 1)}.")
   return [local[i] for i in vals]
 
 

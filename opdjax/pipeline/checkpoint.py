@@ -3,34 +3,42 @@
 A checkpoint at step s holds everything the run needs to continue as if never stopped: the
 `TrainState` (student params, optimizer state, step), the buffer of past params versions that
 lagged rollouts sample from, and JSON metadata (the config, the student's HF config, the engine
-settings, the latest held-out evaluation, package versions). Everything random in the loop is
-derived from (seed, step), so no RNG state needs saving.
+settings the sampler ran with, the mismatch guard's state, the latest held-out evaluation, package
+versions). `RunState` is that content, and the one place that writes and reads it: the checkpoint
+hook saves one, resume and export restore one. Everything random in the loop is derived from
+(seed, step), so no RNG state needs saving.
 
 Saves are asynchronous (Orbax `CheckpointManager`); the last `keep` are kept, plus the best by
 `best_metric` under checkpoints/best (hard links to latest's files of that step: stored once).
 Orbax writes each step to a temporary folder and renames it only when complete, so a crash during a
-save leaves no checkpoint that restores; `latest_step` reports the newest complete one.
+save leaves no checkpoint that restores; `latest_step` reports the newest complete one. A checkpoint
+that cannot be read raises `CheckpointUnreadable`, one line; the full error goes to
+checkpoints/restore_errors.log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
+import traceback
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from opdjax.errors import UserError
+from opdjax.pipeline.quiet import HeldStderr, LoopClosedNoise
+from opdjax.views.view import EngineView
 
 
 def package_versions() -> dict[str, str]:
@@ -49,6 +57,84 @@ def _barriers(prefix: str):
 
 class CheckpointWriteError(OSError):
   """A save failed (full disk, lost mount, ...); the checkpoints before it are complete and intact."""
+
+
+class CheckpointUnreadable(UserError):
+  """Checkpoint `step` cannot be read (truncated, corrupted, or not of this model's shapes). The message
+  is one line; `log` holds the full error (TensorStore's spec, the traceback)."""
+
+  def __init__(self, step: int, path: str, cause: str, log: str):
+    super().__init__(f"checkpoint step {step} at {path} cannot be restored ({cause}); it is truncated, corrupted,"
+                     f" or from a different model (the full error is in {log}).")
+    self.step, self.path, self.cause, self.log = step, path, cause, log
+
+
+class CheckpointOfAnotherModel(UserError):
+  """The checkpoint holds a student of other shapes than this run's: a refusal, not a damaged checkpoint."""
+
+
+@dataclasses.dataclass
+class RunState:
+  """A whole OPD run at a checkpointed step: the tree Orbax stores (`train`, `history`) and the JSON
+  metadata beside it. The one description of the checkpoint format; `RunCheckpointer.save_run` and
+  `restore_run` write and read both halves together."""
+
+  step: int
+  train: Any  # TrainState: student params, optimizer state, step
+  history_versions: list[int]  # the params versions a lagged view samples from, oldest first ...
+  history: list  # ... and their params
+  last_eval: dict | None  # the latest held-out evaluation (with its eval_step)
+  config: dict  # Config.to_dict() of the run
+  student_config: dict  # the student's HF config: a resume refuses another model
+  kind: str  # the deployment (opdjax.rollout.deploy: jax, vllm, ...)
+  view: EngineView  # the rollout view and asynchronous depth the sampler ran with at this step:
+  depth: int  # the config's, or where the mismatch guard's backoffs took them
+  async_mode: str
+  sampling: dict  # SamplingParams fields
+  teacher_view: str
+  guard: dict | None = None  # GuardHook.state() of a run with train.budget
+  versions: dict = dataclasses.field(default_factory=dict)  # package versions that wrote it
+
+  @classmethod
+  def of(cls, loop, step: int, guard: dict | None = None) -> RunState:
+    """What a checkpoint of `loop` at `step` holds (`guard`: the mismatch guard's state, if the run has one)."""
+    session, sampler = loop.session, loop.sampler
+    h = sampler.history
+    return cls(step=step, train=loop.state, history_versions=h.versions if h else [], history=h.params() if h else [],
+               last_eval=loop.last_eval, config=session.cfg.to_dict(), student_config=session.student.cfg.to_hf_dict(),
+               kind=session.deployment.kind, view=sampler.view, depth=sampler.depth,
+               async_mode=session.cfg.rollout.async_mode, sampling=dataclasses.asdict(session.sampling),
+               teacher_view=str(session.teacher_view), guard=guard, versions=package_versions())
+
+  def tree(self) -> dict:
+    return {"train": self.train, "history": self.history}
+
+  def meta(self) -> dict:
+    out = {"step": self.step, "last_eval": self.last_eval, "config": self.config, "student_config": self.student_config,
+           "history_versions": self.history_versions,
+           "engine": {"kind": self.kind, "view": str(self.view), "view_fields": dataclasses.asdict(self.view),
+                      "async_depth": self.depth, "async_mode": self.async_mode, "sampling": self.sampling},
+           "teacher_view": self.teacher_view, "params_version": self.step, "versions": self.versions}
+    if self.guard is not None:
+      out["guard"] = self.guard
+    return out
+
+  @staticmethod
+  def target(meta: dict, train) -> dict:
+    """The tree to restore a checkpoint with metadata `meta` into: `train`'s structure, shapes and
+    shardings, for the train state and for each params version of the history."""
+    return {"train": train, "history": [train.params] * len(meta["history_versions"])}
+
+  @classmethod
+  def from_checkpoint(cls, tree: dict, meta: dict) -> RunState:
+    engine = meta["engine"]
+    view = EngineView(**engine["view_fields"]) if "view_fields" in engine else EngineView.parse(engine["view"])
+    return cls(step=meta["step"], train=tree["train"], history_versions=list(meta["history_versions"]),
+               history=list(tree["history"]), last_eval=meta["last_eval"], config=meta["config"],
+               student_config=meta["student_config"], kind=engine.get("kind", ""), view=view,
+               depth=engine["async_depth"], async_mode=engine.get("async_mode", "exact"), sampling=engine["sampling"],
+               teacher_view=meta.get("teacher_view", "clean"), guard=meta.get("guard"),
+               versions=meta.get("versions", {}))
 
 
 class RunCheckpointer:
@@ -90,6 +176,23 @@ class RunCheckpointer:
       if best is None or (value < best[1] if self.best_mode == "min" else value > best[1]):
         self._pending_best = (step, value)
 
+  def save_run(self, run: RunState, metrics: dict | None = None) -> None:
+    """Saves `run` (tree and metadata) as checkpoint `run.step`; `metrics` rank it for checkpoints/best."""
+    self.save(run.step, run.tree(), run.meta(), metrics)
+
+  def restore_run(self, step: int, train, student_config: dict | None = None) -> RunState:
+    """Checkpoint `step` as a RunState, its train state restored into the structure, shapes and
+    shardings of `train` (a TrainState, concrete or abstract). `student_config`: this run's student,
+    refused before any array is read when the checkpoint's differs (CheckpointOfAnotherModel)."""
+    meta = self.read_meta(step)
+    if student_config is not None and meta["student_config"] != student_config:
+      diff = _dict_diff(meta["student_config"], student_config)
+      raise CheckpointOfAnotherModel(
+          f"checkpoint step {step} in {self.directory} is of a different student model ({diff}); resume with the"
+          " config it was written with, or pass a new --out folder. Nothing was overwritten.")
+    tree, meta = self.restore(step, RunState.target(meta, train))
+    return RunState.from_checkpoint(tree, meta)
+
   def _publish_best(self) -> None:
     """Makes the pending best step (its save finished) the one under checkpoints/best: a tree of hard
     links to latest's files, so a step both hold is stored once, and best keeps it when latest rotates
@@ -122,12 +225,11 @@ class RunCheckpointer:
       raise CheckpointWriteError(f"writing checkpoint {step} under {self.directory} failed: {e}") from e
 
   def read_meta(self, step: int) -> dict:
+    LoopClosedNoise.install()
     try:
       return self._latest.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # noqa: BLE001 -- as `restore`: one error with the step and path
-      path = os.path.join(self.directory, "latest", str(step))
-      raise UserError(f"checkpoint step {step} at {path} cannot be read ({type(e).__name__}: {_short(e)});"
-                      " its metadata is truncated or corrupted.") from e
+      raise self._unreadable(step, e) from e
 
   def quarantine(self, step: int, reason: str) -> str:
     """Moves checkpoint `step`, found unreadable, to checkpoints/corrupt/STEP with a one-line REASON,
@@ -147,15 +249,33 @@ class RunCheckpointer:
   def restore(self, step: int, target) -> tuple[object, dict]:
     """Restores `step` into the structure, shapes and shardings of `target`."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    path = os.path.join(self.directory, "latest", str(step))
+    held = HeldStderr()
+    LoopClosedNoise.install()
     try:
-      with _stderr_kept_on_success():
+      with held:
         out = self._latest.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported with the step and path
-      raise UserError(f"checkpoint step {step} at {path} cannot be restored ({type(e).__name__}: {_short(e)});"
-                      " it is truncated, corrupted, or from a different model.") from e
+      raise self._unreadable(step, e, held.text) from e
     return out["state"], out["meta"]
+
+  def _unreadable(self, step: int, e: Exception, printed: str = "") -> CheckpointUnreadable:
+    """The one-line error for an unreadable checkpoint; the full one (with what the restore printed)
+    appended to restore_errors.log, where the TensorStore callbacks that fire after a failed restore
+    also go (`LoopClosedNoise`)."""
+    path = os.path.join(self.directory, "latest", str(step))
+    name = "restore_errors.log" if jax.process_index() == 0 else f"restore_errors.process{jax.process_index()}.log"
+    entry = (f"== {time.strftime('%Y-%m-%d %H:%M:%S')}: checkpoint step {step} at {path}\n"
+             + "".join(traceback.format_exception(e)) + (f"-- printed during it:\n{printed}" if printed else ""))
+    for log in (os.path.join(self.directory, name), os.path.join(tempfile.gettempdir(), f"opdjax_{name}")):
+      try:  # (a checkpoint folder we may not write to, e.g. one exported from: the temp folder)
+        with open(log, "a") as f:
+          f.write(entry)
+        break
+      except OSError:
+        continue
+    LoopClosedNoise.route_to(log)
+    return CheckpointUnreadable(step, path, f"{type(e).__name__}: {_short(e)}", log)
 
   def wait(self) -> None:
     with _ctrl_c_held(), self._writing("in flight"):
@@ -207,32 +327,17 @@ def _link_or_copy(src: str, dst: str) -> None:
     shutil.copy2(src, dst)
 
 
-@contextlib.contextmanager
-def _stderr_kept_on_success():
-  """A failed restore makes TensorStore's worker threads print 'Event loop is closed' tracebacks
-  straight to file descriptor 2, burying the one-line error: hold fd 2 in a file during the
-  restore, replay it if the restore succeeds, drop it if it fails (the error says what failed)."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as held:
-    os.dup2(held.fileno(), 2)
-    ok = False
-    try:
-      yield
-      ok = True
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      if ok:
-        held.seek(0)
-        sys.stderr.write(held.read().decode(errors="replace"))
-
-
-def _short(e: Exception, limit: int = 300) -> str:
-  """The cause without TensorStore's spec dumps (tens of lines of JSON that bury it)."""
-  text = re.sub(r"\s*\[tensorstore_spec[^\]]*'\]", "", str(e)).strip()
+def _short(e: Exception, limit: int = 200) -> str:
+  """The cause on one line, without TensorStore's spec dumps (tens of lines of JSON that bury it)."""
+  text = re.sub(r"\s*\[tensorstore_spec[^\]]*'\]", "", str(e))
+  text = re.split(r"\s*See full TensorStore details", text)[0]
+  text = " ".join(text.split())
   return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _dict_diff(a: dict, b: dict) -> str:
+  keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+  return ", ".join(f"{k}: {a.get(k)} in the checkpoint, {b.get(k)} now" for k in keys[:4])
 
 
 def restore_student(run_dir: str, step: int | None = None):
@@ -252,11 +357,11 @@ def restore_student(run_dir: str, step: int | None = None):
   model = Model(ModelConfig.from_hf_dict(meta["student_config"]))
   optimizer = make_optimizer(OptimConfig(**meta["config"]["optim"]))
   state = jax.eval_shape(lambda: TrainState.create(model.init(jax.random.key(0)), optimizer))
-  target = {"train": state, "history": [state.params] * len(meta["history_versions"])}
-  target = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), target)
-  tree, meta = ckpt.restore(step, target)
-  ckpt.close()
-  return model, tree["train"].params, meta
+  try:
+    run = ckpt.restore_run(step, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state))
+  finally:
+    ckpt.close()
+  return model, run.train.params, run.meta()
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -11,6 +11,7 @@ import sys
 import time
 
 from opdjax.errors import UserError
+from opdjax.pipeline.checkpoint import RunState
 from opdjax.pipeline.loop import Hook, Loop
 from opdjax.views.history import ParamsHistory
 
@@ -65,18 +66,18 @@ class FaultHook(Hook):
 
 
 class CheckpointHook(Hook):
-  """Orbax checkpoint of the whole run every `every` steps, at the end and when a hook stops the run
-  (`loop.stop`); the step's record is on disk before the checkpoint that covers it."""
+  """Orbax checkpoint of the whole run (a RunState) every `every` steps, at the end and when a hook
+  stops the run (`loop.stop`); the step's record is on disk before the checkpoint that covers it.
+  `guard`: the run's mismatch guard, whose state the checkpoint keeps."""
 
-  def __init__(self, checkpointer, every: int, meta_fn, fault: FaultHook | None = None):
-    self.ckpt, self.every, self.meta_fn, self.fault = checkpointer, every, meta_fn, fault
+  def __init__(self, checkpointer, every: int, guard=None, fault: FaultHook | None = None):
+    self.ckpt, self.every, self.guard, self.fault = checkpointer, every, guard, fault
 
   def after_step(self, loop: Loop, step: int) -> None:
     if (self.every and step % self.every == 0) or step == loop.steps or loop.stop is not None:
       loop.flush()
-      history = loop.sampler.history
-      tree = {"train": loop.state, "history": history.params() if history else []}
-      self.ckpt.save(step, tree, self.meta_fn(loop, step), metrics=loop.last_eval)
+      run = RunState.of(loop, step, guard=None if self.guard is None else self.guard.state())
+      self.ckpt.save_run(run, metrics=loop.last_eval)
       if self.fault is not None:
         self.fault.phase(loop, "save", step)
 

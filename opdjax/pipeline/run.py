@@ -21,10 +21,10 @@ from opdjax.config.schema import Config, flat
 from opdjax.errors import Interrupted, UserError
 from opdjax.models.fetch import resolve
 from opdjax.pipeline import hooks as H
-from opdjax.pipeline.checkpoint import TOKENIZER_FILES, RunCheckpointer, package_versions
+from opdjax.pipeline.checkpoint import TOKENIZER_FILES, CheckpointUnreadable, RunCheckpointer, RunState
 from opdjax.pipeline.distributed import barrier
 from opdjax.pipeline.guard import GuardHook, load_run_budget
-from opdjax.pipeline.loop import Loop, run_loop
+from opdjax.pipeline.loop import run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
 from opdjax.pipeline.session import Session
 from opdjax.rollout.deploy import check_memory, plan, resolve_servers
@@ -76,10 +76,11 @@ def config_changes(old: dict, new: dict) -> tuple[dict, dict]:
 
 
 def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = False, overwrite: bool = False,
-          progress: bool = True) -> TrainResult:
+          progress: bool = True, command: str = "") -> TrainResult:
   """OPD for `cfg.train.steps` steps into `out_dir`. `resume`: auto (resume when out_dir has a
   checkpoint), require (error if it has none) or never. `fallback`: when the latest checkpoint cannot
-  be restored, use the previous good one."""
+  be restored, use the previous good one. `command`: the command line that ran this, for messages
+  that say what to run next."""
   cfg = resolve_servers(cfg)  # the servers' dtype and CUDA graphs as they will run: recorded, and resumes compare them
   ckpt_dir = os.path.join(out_dir, "checkpoints")
   ours = is_run_dir(out_dir)
@@ -106,7 +107,7 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
     budget = load_run_budget(cfg.train.budget, session) if cfg.train.budget else None
     if cfg.teacher.preflight:  # the served teacher admitted against the budget before anything is trained
       _preflight(session)
-    return _train(session, out_dir, ckpt_dir, resuming, fallback, progress, budget)
+    return _train(session, out_dir, ckpt_dir, resuming, fallback, progress, budget, command)
   except Interrupted as e:
     steps = [int(d) for d in os.listdir(os.path.join(ckpt_dir, "latest")) if d.isdigit()] \
         if os.path.isdir(os.path.join(ckpt_dir, "latest")) else []
@@ -144,23 +145,23 @@ def _resumable_changes(out_dir: str, old: dict, cfg: Config, early: bool = False
 
 
 def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallback: bool,
-           progress: bool, budget: float | None) -> TrainResult:
+           progress: bool, budget: float | None, command: str) -> TrainResult:
   cfg = session.cfg
   primary = session.placement.primary  # process 0 writes the run's files
   view, depth, guard_state = EngineView.parse(cfg.rollout.view), cfg.rollout.async_depth, None
   state, start, last_eval, history, changes = None, 0, None, None, {}
   if resuming:
-    state = session.new_state()  # the restore target: checkpoints restore into its shapes and shardings
     ckpt = RunCheckpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, best_metric=cfg.train.best_metric)
     try:
-      start, state, last_eval, history, old_cfg, meta = _resume(ckpt, state, session, fallback)
-      changes = _resumable_changes(out_dir, old_cfg, cfg)
-      if "guard" in meta:  # the guard's backoffs so far: the resumed run samples as the run did at the checkpoint
-        view, depth = EngineView(**meta["engine"]["view_fields"]), meta["engine"]["async_depth"]
-        guard_state = meta["guard"]
+      # The restore target: checkpoints restore into the shapes and shardings of a new state.
+      run = _resume(ckpt, session.new_state(), session, fallback, command)
+      changes = _resumable_changes(out_dir, run.config, cfg)
     except BaseException:
       ckpt.close()
       raise
+    start, state, last_eval, history = run.step, run.train, run.last_eval, (run.history_versions, run.history)
+    # The sampler as it ran at the checkpoint: the config's view and depth, or where the guard's backoffs took them.
+    view, depth, guard_state = run.view, run.depth, run.guard
     for k, (a, b) in changes.items():
       print(f"opdjax: resuming with {k} changed: {a!r} -> {b!r}", file=sys.stderr)
   else:
@@ -177,18 +178,6 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     guard = GuardHook(budget, cfg.train.budget, cfg.train.guard, cfg.train.guard_window,
                       EngineView.parse(cfg.train.guard_view) if cfg.train.guard_view else None, ckpt, guard_state)
 
-  def meta(loop: Loop, step: int) -> dict:
-    h, s = loop.sampler.history, loop.sampler
-    out = {"step": step, "last_eval": loop.last_eval, "config": cfg.to_dict(),
-           "student_config": session.student.cfg.to_hf_dict(), "history_versions": h.versions if h else [],
-           "engine": {"kind": session.deployment.kind, "view": str(s.view), "view_fields": dataclasses.asdict(s.view),
-                      "async_depth": s.depth, "async_mode": cfg.rollout.async_mode,
-                      "sampling": dataclasses.asdict(session.sampling)},
-           "teacher_view": str(session.teacher_view), "params_version": step, "versions": package_versions()}
-    if guard is not None:
-      out["guard"] = guard.state()
-    return out
-
   fault = H.FaultHook()
   hooks = [] if guard is None else [guard]  # first: it annotates the record the writers write
   hooks += [H.EvalHook(cfg.train.eval_every), fault, H.JsonlWriter(os.path.join(out_dir, "metrics.jsonl"),
@@ -196,7 +185,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
   if cfg.train.tensorboard:
     hooks.append(H.TensorBoardWriter(os.path.join(out_dir, "tensorboard")))
   hooks += [H.NonFiniteHook(cfg.train.on_nonfinite, ckpt), H.Progress("OPD", progress),
-            H.CheckpointHook(ckpt, cfg.train.checkpoint_every, meta, fault)]
+            H.CheckpointHook(ckpt, cfg.train.checkpoint_every, guard, fault)]
   if not primary:  # process 0 alone writes metrics and progress; checkpoints are every process's (Orbax)
     hooks = [h for h in hooks if not isinstance(h, (H.JsonlWriter, H.TensorBoardWriter, H.Progress))]
   if start >= cfg.train.steps:
@@ -243,43 +232,31 @@ def _append_history(out_dir: str, cfg: Config, start: int, changes: dict, resume
     f.write(json.dumps(entry) + "\n")
 
 
-def _resume(ckpt: RunCheckpointer, state, session: Session, fallback: bool):
-  """(step, state, last_eval, (versions, params history), config) from the newest checkpoint that restores."""
+def _resume(ckpt: RunCheckpointer, state, session: Session, fallback: bool, command: str) -> RunState:
+  """The newest checkpoint that restores into `state`'s shapes and shardings. One that cannot be read
+  is moved to checkpoints/corrupt/ (nothing is deleted); without `fallback` the run stops there with
+  one line saying which step moved where, and what resumes from the step before."""
   steps = sorted(ckpt.all_steps(), reverse=True)
   for path in ckpt.incomplete():
     print(f"opdjax: skipping incomplete checkpoint {path} (a save that never finished)", file=sys.stderr)
   if not steps:
     raise UserError(f"{ckpt.directory} has no complete checkpoint to resume from.")
-  errors = []
-  student_cfg = session.student.cfg.to_hf_dict()
+  errors, log = [], ""
   for step in steps:
     try:
-      meta = ckpt.read_meta(step)
-      if meta["student_config"] != student_cfg:
-        diff = _dict_diff(meta["student_config"], student_cfg)
-        raise UserError(f"checkpoint step {step} in {ckpt.directory} is of a different student model ({diff});"
-                        " resume with the config it was written with, or pass a new --out folder. Nothing was"
-                        " overwritten.")
-      target = {"train": state, "history": [state.params] * len(meta["history_versions"])}
-      tree, meta = ckpt.restore(step, target)
-    except UserError as e:
-      if "different student model" in str(e):
-        raise
-      moved = ckpt.quarantine(step, str(e))
+      run = ckpt.restore_run(step, state, student_config=session.student.cfg.to_hf_dict())
+    except CheckpointUnreadable as e:  # (a checkpoint of another model is a refusal: raised as it is)
+      moved, log = ckpt.quarantine(step, str(e)), e.log
       earlier = [s for s in steps if s < step]
       if not fallback:
-        then = (f"the same command now resumes from step {earlier[0]} (--resume-fallback would have gone on at"
-                " once)" if earlier else "no other checkpoint is left: pass a new --out folder")
-        raise UserError(f"{e} Moved it to {moved}; {then}.") from None
-      errors.append(f"{e} (moved to {moved})")
+        again = f"`{command}`" if command else "the same command"
+        then = (f"{again} now resumes from step {earlier[0]} (--resume-fallback would have gone on at once)"
+                if earlier else "no other checkpoint is left: pass a new --out folder")
+        raise UserError(f"checkpoint step {step} cannot be restored (truncated or corrupted; the error is in"
+                        f" {e.log}); moved it to {moved}; {then}.") from None
+      errors.append(f"step {step} (moved to {moved})")
       continue
     if errors:
-      print("opdjax: skipped unreadable checkpoints: " + " | ".join(errors), file=sys.stderr)
-    history = (meta["history_versions"], tree["history"])
-    return step, tree["train"], meta["last_eval"], history, meta["config"], meta
-  raise UserError("no checkpoint could be restored: " + " | ".join(errors))
-
-
-def _dict_diff(a: dict, b: dict) -> str:
-  keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-  return ", ".join(f"{k}: {a.get(k)} in the checkpoint, {b.get(k)} now" for k in keys[:4])
+      print(f"opdjax: skipped unreadable checkpoints: {', '.join(errors)}; the errors are in {log}", file=sys.stderr)
+    return run
+  raise UserError(f"no checkpoint could be restored: {', '.join(errors)}; the errors are in {log}.")
