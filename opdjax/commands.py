@@ -146,7 +146,8 @@ def admit(args, overrides) -> int:
   from opdjax.analyses import admission
 
   if args.teacher:
-    from opdjax.analyses import teacher_preflight
+    from opdjax.analyses import reporting
+    from opdjax.pipeline import teacher_preflight
 
     if args.candidates:
       raise UserError("--teacher admits the run's served teacher; --candidates screens rollout engines: give one.")
@@ -155,6 +156,8 @@ def admit(args, overrides) -> int:
     cfg = resolve_config(args.config, overrides)
     check_out(args)
     result = teacher_preflight.preflight(cfg, args.out, args.budget)
+    if args.out:
+      reporting.write_json(os.path.join(args.out, "teacher_admission.json"), result)
     print(teacher_preflight.report(result))
     return 0 if result["admitted"] else 3
   if not args.budget or not args.candidates:

@@ -118,7 +118,7 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
 
 
 def _preflight(session: Session) -> None:
-  from opdjax.analyses.teacher_preflight import preflight, report
+  from opdjax.pipeline.teacher_preflight import preflight, report
 
   if jax.process_count() > 1:
     raise UserError("teacher.preflight runs in one trainer process: run `opdjax admit --teacher` with this config"

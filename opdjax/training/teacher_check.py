@@ -8,7 +8,7 @@ On the batch's completion targets (the loss mask), with Δ = log p_served(y) - l
 - `teacher_mismatch_abs_mean`, `teacher_mismatch_abs_max`: mean and max |Δ| on the sampled tokens.
 - `teacher_mismatch_half_sq`: the mean of Δ²/2, the second-order estimate of the KL between the two
   teachers on these positions (KL(p || q) ≈ E[(log p - log q)²]/2 for nearby p, q): the teacher-side
-  deviation on the scale of a mismatch budget (opdjax.analyses.teacher_preflight).
+  deviation on the scale of a mismatch budget (opdjax.pipeline.teacher_preflight).
 - with the served top-K (topk_rkl): `teacher_mismatch_topk_overlap`, the mean share of the served top-K that
   the reference's top-K holds too; `teacher_mismatch_topk_kl`, KL(served || reference) over the served
   top-K plus one tail bucket a side (the loss's own rule, opdjax.training.loss.served_terms).

@@ -31,7 +31,7 @@ from opdjax.rollout.vllm.launch import check_base_url, make_vllm_server, servers
 
 UNNORMALISED_MODES = ("raw_logits", "processed_logits")
 URL_PREFIXES = ("http://", "https://")  # a teacher.routes target that is a running server, not a folder
-PROBE_K = 20  # the top-K a teacher pre-flight asks for (opdjax.analyses.teacher_preflight); vLLM's default limit
+PROBE_K = 20  # the top-K a teacher pre-flight asks for (opdjax.pipeline.teacher_preflight); vLLM's default limit
 RETRIES = 2  # a connection error is tried again this many times (1 s, then 2 s later) before the run stops
 
 

@@ -38,7 +38,7 @@ FIGURES = ("replica_half_sq", "half_sq", "topk_kl")
 def preflight(cfg, out_dir: str | None = None, budget_path: str | None = None, session=None,
               progress: bool = True) -> dict:
   """The teacher's admission as a dict (`admitted`, `budget`, one row per server); `session`: the run's (its
-  servers started or attached), else one is made here from `cfg`."""
+  servers started or attached), else one is made here from `cfg` (its servers' logs in `out_dir`)."""
   from opdjax.pipeline.guard import load_run_budget
   from opdjax.pipeline.session import Session
 
@@ -62,13 +62,8 @@ def preflight(cfg, out_dir: str | None = None, budget_path: str | None = None, s
   for row in rows:
     row["figure"] = max(row[k] for k in FIGURES if row.get(k) is not None)
     row["verdict"] = "admit" if row["figure"] <= budget else "refuse"
-  result = {"budget": budget, "budget_path": os.path.abspath(path), "probe_rows": int(probe.prompt_tokens.shape[0]),
-            "admitted": all(r["verdict"] == "admit" for r in rows), "servers": rows}
-  if out_dir and own:
-    from opdjax.analyses import reporting
-
-    reporting.write_json(os.path.join(out_dir, "teacher_admission.json"), result)
-  return result
+  return {"budget": budget, "budget_path": os.path.abspath(path), "probe_rows": int(probe.prompt_tokens.shape[0]),
+          "admitted": all(r["verdict"] == "admit" for r in rows), "servers": rows}
 
 
 def _probe(session):
