@@ -13,11 +13,11 @@ from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig, positions_from_mask
 from opdjax.rollout import SamplingParams
 from opdjax.scoring.rescore import chunked_over_positions, masked_mean
+from opdjax.training.fused import fused_opd_loss
 from opdjax.training.loss import (
   IS_MODES,
   OBJECTIVES,
   LossConfig,
-  fused_opd_loss,
   importance_weights,
   per_token_terms,
   sampling_transform,

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from opdjax.errors import UserError
-from opdjax.training.loss import TAIL_FLOOR, LossConfig, fused_opd_loss, fused_served_loss
+from opdjax.training.fused import fused_opd_loss, fused_served_loss
+from opdjax.training.loss import TAIL_FLOOR, LossConfig
 
 B, L, D, V = 3, 7, 8, 11
 

@@ -19,7 +19,8 @@ from opdjax.parallel.placement import Placement
 from opdjax.rollout.base import SamplingParams
 from opdjax.scoring.mismatch import sampled_metrics
 from opdjax.scoring.rescore import TrainBatch, masked_mean
-from opdjax.training.loss import SERVED_KEYS, LossConfig, fused_opd_loss, fused_served_loss, sampling_transform
+from opdjax.training.fused import fused_opd_loss, fused_served_loss
+from opdjax.training.loss import SERVED_KEYS, LossConfig, sampling_transform
 
 EXCLUDED_R = 20.0  # |r| of a sampled token the trainer's processed distribution excludes
 
