@@ -87,14 +87,18 @@ class ModelConfig:
 
 
 def _check_path(role: str, path: str) -> None:
-  if path and not path.startswith("fetch:") and CHECK_PATHS.get() and not os.path.isdir(path):
-    raise UserError(f"{role}.path={path!r} is not a folder; give a Hugging Face safetensors folder or"
-                    " fetch:NAME (see `opdjax models fetch`).")
+  from opdjax.models.hub import is_hub_id
+
+  if path and not path.startswith("fetch:") and not is_hub_id(path) and CHECK_PATHS.get() and not os.path.isdir(path):
+    raise UserError(f"{role}.path={path!r} is not a folder; give a Hugging Face safetensors folder, a Hub id"
+                    " org/name[@revision], or fetch:NAME (see `opdjax models fetch`).")
 
 
 @dataclasses.dataclass(frozen=True)
 class StudentConfig:
-  """`path`: an HF folder or `fetch:NAME`; empty builds the demo's model (addition task only).
+  """`path`: an HF folder, a Hub id `org/name[@revision]` (resolved to a snapshot in the HF cache; offline
+  from it with HF_HUB_OFFLINE=1: opdjax.models.hub) or `fetch:NAME`; empty builds the demo's model (addition
+  task only).
   `keep_layers` prunes a loaded model (`0::2` keeps every other layer). The rest size the demo model."""
 
   path: str = ""
