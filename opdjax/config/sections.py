@@ -51,7 +51,12 @@ def check_views(key: str, spec: str, sep: str = ";") -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  """`addition` (built-in, exact verifier) or `prompts` (`path`: a JSONL of prompts, or builtin:NAME).
+  """`addition` (built-in, exact verifier) or `prompts`: `path`, a JSONL of prompts (or builtin:NAME), or
+  `dataset`, a `datasets` dataset (a Hub name, a save_to_disk folder, a local parquet/JSON/CSV/arrow file or
+  folder; opdjax.tasks.dataset) whose `split` gives the prompts: the text column `prompt_field`, or the
+  chat-messages column `messages_field` (rendered with the student's chat template), `tag_field` a column
+  routing prompts to teachers (teacher.routes); held out: `eval_split`'s first num_eval rows, or num_eval
+  rows of `split` held back by a fixed permutation.
   `answer` (addition): `sum`, the reversed sum; `worked`, the column sums first (~3x longer answers:
   give rollout.max_new_tokens >= 5 * max_digits + 3; configs/demo_worked.py)."""
 
@@ -61,14 +66,31 @@ class TaskConfig:
   num_eval: int = 256
   path: str = ""
   chat_template: bool = False
+  dataset: str = ""
+  split: str = "train"
+  eval_split: str = ""
+  prompt_field: str = "prompt"
+  messages_field: str = ""
+  tag_field: str = ""
 
   def check(self):
     check_choice("task.name", self.name, TASKS)
     check_positive("task.num_eval", self.num_eval)
     check_choice("task.answer", self.answer, ANSWERS)
-    if self.name == "prompts":
+    if self.dataset and self.name != "prompts":
+      raise UserError(f"task.dataset={self.dataset!r} gives prompts: set task.name='prompts' with it.")
+    if self.name == "prompts" and self.dataset:
+      if self.path:
+        raise UserError(f"task.path={self.path!r} and task.dataset={self.dataset!r} both give the prompts; keep one.")
+      if not (self.prompt_field or self.messages_field):
+        raise UserError("task.dataset needs a column: task.prompt_field (text) or task.messages_field (chat).")
+      if self.eval_split and self.eval_split == self.split:
+        raise UserError(f"task.eval_split={self.eval_split!r} is the training split; give another split, or leave it"
+                        " empty to hold back task.num_eval rows of task.split.")
+    elif self.name == "prompts":
       if not self.path:
-        raise UserError("task.path is empty: task.name='prompts' needs a JSONL of prompts (or builtin:NAME).")
+        raise UserError("task.path is empty: task.name='prompts' needs a JSONL of prompts (or builtin:NAME), or a"
+                        " task.dataset.")
       if not self.path.startswith("builtin:") and CHECK_PATHS.get() and not os.path.exists(self.path):
         raise UserError(f"task.path={self.path!r} does not exist; give a JSONL file of prompts.")
 
