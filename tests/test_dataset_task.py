@@ -63,7 +63,8 @@ def test_chat_messages_from_a_save_to_disk_folder_with_an_eval_split(tok, tmp_pa
   from transformers import AutoTokenizer
 
   train_texts, test_texts = _texts(12, 1), _texts(6, 2)
-  msgs = lambda xs: [[{"role": "system", "content": "wa"}, {"role": "user", "content": x}] for x in xs]
+  msgs = lambda xs: [[{"role": "system", "content": "wa"}, {"role": "user", "content": x},
+                      {"role": "assistant", "content": "wb wc"}] for x in xs]  # the reply is dropped
   folder = tmp_path / "saved"
   datasets.DatasetDict({"train": datasets.Dataset.from_dict({"messages": msgs(train_texts)}),
                         "test": datasets.Dataset.from_dict({"messages": msgs(test_texts)})}).save_to_disk(str(folder))

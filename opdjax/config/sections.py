@@ -34,6 +34,19 @@ TEACHER_SCORING = ("trainer", "engine")
 TEACHER_SERVE = ("trainer", "vllm")
 
 
+LOGGERS = ("jsonl", "tensorboard", "wandb", "trackio")
+
+
+def parse_loggers(spec: str) -> tuple[str, ...]:
+  """`train.loggers` ('jsonl,wandb') as names, each checked."""
+  names = tuple(dict.fromkeys(x.strip() for x in spec.split(",") if x.strip()))
+  for name in names:
+    if name not in LOGGERS:
+      raise UserError(f"train.loggers={spec!r}: {name!r} is not a logger; choose from {', '.join(LOGGERS)}"
+                      " (comma-separated, e.g. 'jsonl,wandb').")
+  return names
+
+
 def check_choice(key: str, value, choices) -> None:
   if value not in choices:
     raise UserError(f"{key}={value!r}; choose one of {', '.join(repr(c) for c in choices)}.")
@@ -316,7 +329,12 @@ class TrainConfig:
   budget: a budget.json of `opdjax calibrate`; `guard` compares the mean of the last `guard_window`
   steps' mismatch with it: warn, backoff (lower rollout.async_depth, then switch to `guard_view`)
   or halt (opdjax.pipeline.guard). `timed`: every step's record carries the time split (time_generate_s,
-  time_train_s, ...; a synchronous run then waits for each stage, asynchronous runs always carry it)."""
+  time_train_s, ...; a synchronous run then waits for each stage, asynchronous runs always carry it).
+  loggers: where records go besides OUT/metrics.jsonl (always written), comma-separated from jsonl,
+  tensorboard, wandb, trackio (opdjax.pipeline.trackers; `tracker_project` names the W&B / trackio
+  project). log_samples_every: every k steps a few samples to OUT/samples.jsonl and the trackers' tables
+  (0: none). length_guard: off, warn or halt when more than `length_guard_threshold` of the completions
+  hit rollout.max_new_tokens over `length_guard_window` steps (opdjax.pipeline.telemetry)."""
 
   steps: int = 1200
   eval_every: int = 1
@@ -330,9 +348,25 @@ class TrainConfig:
   guard_view: str = ""
   guard_window: int = 5
   timed: bool = False
+  loggers: str = "jsonl"
+  tracker_project: str = "opdjax"
+  log_samples_every: int = 0
+  length_guard: str = "warn"
+  length_guard_threshold: float = 0.5
+  length_guard_window: int = 5
 
   def check(self):
     check_positive("train.steps", self.steps)
+    parse_loggers(self.loggers)
+    check_positive("train.log_samples_every", self.log_samples_every, 0)
+    if self.log_samples_every > self.steps:
+      raise UserError(f"train.log_samples_every={self.log_samples_every} is larger than the run (train.steps="
+                      f"{self.steps}): no sample would be logged; give at most {self.steps}, or 0 for none.")
+    check_choice("train.length_guard", self.length_guard, ("off", "warn", "halt"))
+    if not 0.0 <= self.length_guard_threshold <= 1.0:
+      raise UserError(f"train.length_guard_threshold={self.length_guard_threshold}: a share of completions in [0, 1]"
+                      " (e.g. 0.5).")
+    check_positive("train.length_guard_window", self.length_guard_window)
     check_positive("train.eval_every", self.eval_every)
     check_positive("train.checkpoint_every", self.checkpoint_every, 0)
     check_positive("train.keep_checkpoints", self.keep_checkpoints)

@@ -179,12 +179,13 @@ class Progress(Hook):
   def record(self, loop: Loop, rec: dict) -> None:
     if not self.enabled or rec["step"] == loop.start_step:
       return
-    if "guard_event" in rec:  # the mismatch guard acted: always a line of its own
-      line = f"{self.desc}: step {rec['step']}: guard: {rec['guard_event']}"
-      if self.bar is not None:
-        self.bar.write(line, file=self.stream)
-      else:
-        print(line, file=self.stream, flush=True)
+    for key, who in (("guard_event", "guard"), ("length_guard_event", "length guard")):
+      if key in rec:  # a guard acted: always a line of its own
+        line = f"{self.desc}: step {rec['step']}: {who}: {rec[key]}"
+        if self.bar is not None:
+          self.bar.write(line, file=self.stream)
+        else:
+          print(line, file=self.stream, flush=True)
     if self.bar is not None:
       self.bar.update(1)
       self.bar.set_postfix(self._postfix(loop, rec))

@@ -27,12 +27,16 @@ from opdjax.pipeline.guard import GuardHook, load_run_budget
 from opdjax.pipeline.loop import Loop, run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
 from opdjax.pipeline.session import Session
+from opdjax.pipeline.telemetry import LengthGuardHook, SamplesHook
+from opdjax.pipeline.trackers import check_installed, parse_loggers, tracker_hooks
 from opdjax.rollout.deploy import check_memory, plan, resolve_servers
 from opdjax.views.view import EngineView
 
 # Keys a resumed run may change: they extend it (more steps) or only observe it.
 RESUMABLE = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.best_metric", "train.tensorboard", "rollout.vllm.url", "rollout.vllm.api_key",
+             "train.best_metric", "train.tensorboard", "train.loggers", "train.tracker_project",
+             "train.log_samples_every", "train.length_guard", "train.length_guard_threshold",
+             "train.length_guard_window", "rollout.vllm.url", "rollout.vllm.api_key",
              "rollout.vllm.python", "rollout.vllm.gpu_memory_utilization", "rollout.vllm.cpu_kvcache_gib",
              "rollout.vllm.enforce_eager", "rollout.vllm.extra_args", "rollout.devices", "rollout.vllm.urls",
              "rollout.vllm.num_servers", "rollout.vllm.gpus",
@@ -81,6 +85,7 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
   checkpoint), require (error if it has none) or never. `fallback`: when the latest checkpoint cannot
   be restored, use the previous good one."""
   cfg = resolve_servers(cfg)  # the servers' dtype and CUDA graphs as they will run: recorded, and resumes compare them
+  check_installed(cfg.train.loggers)  # a tracker that is not installed: one line, before --out is touched
   ckpt_dir = os.path.join(out_dir, "checkpoints")
   ours = is_run_dir(out_dir)
   check_out_dir(out_dir, "train", overwrite, own=ours)
@@ -175,10 +180,18 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
 
   fault = H.FaultHook()
   hooks = [] if guard is None else [guard]  # first: it annotates the record the writers write
+  t = cfg.train
+  if t.length_guard != "off":
+    hooks.append(LengthGuardHook(t.length_guard, t.length_guard_threshold, t.length_guard_window, ckpt))
   hooks += [H.EvalHook(cfg.train.eval_every), fault, H.JsonlWriter(os.path.join(out_dir, "metrics.jsonl"),
                                                                     start if resuming else -1)]
-  if cfg.train.tensorboard:
+  if cfg.train.tensorboard or "tensorboard" in parse_loggers(t.loggers):
     hooks.append(H.TensorBoardWriter(os.path.join(out_dir, "tensorboard")))
+  if primary:  # W&B, trackio: process 0 alone
+    hooks += tracker_hooks(t.loggers, out_dir, t.tracker_project, cfg.to_dict())
+  if t.log_samples_every:  # every process (its rows may be others'), process 0 writes
+    hooks.append(SamplesHook(os.path.join(out_dir, "samples.jsonl"), t.log_samples_every,
+                             start if resuming else -1, write=primary))
   hooks += [H.NonFiniteHook(cfg.train.on_nonfinite, ckpt), H.Progress("OPD", progress),
             H.CheckpointHook(ckpt, cfg.train.checkpoint_every, meta, fault)]
   if not primary:  # process 0 alone writes metrics and progress; checkpoints are every process's (Orbax)

@@ -2,8 +2,9 @@
 local folder of parquet/JSON/CSV/arrow files, or one such file.
 
 `task.prompt_field` names a text column (wrapped as one user message when task.chat_template is on);
-`task.messages_field` a chat-messages column ([{"role", "content"}, ...]), rendered with the student's
-chat template and its generation prompt; `task.tag_field` a column routing each prompt to a teacher
+`task.messages_field` a chat-messages column ([{"role", "content"}, ...]; closing assistant turns are
+dropped: the student writes the reply), rendered with the student's chat template and its generation
+prompt; `task.tag_field` a column routing each prompt to a teacher
 (teacher.routes). Held-out prompts: the first task.num_eval rows of `task.eval_split`, or, without one,
 task.num_eval rows of `task.split` held back by a fixed permutation (the same rows whatever the run's
 seed). Each trainer process reads and tokenizes its contiguous slice of the rows; the token lists are
@@ -147,6 +148,14 @@ class DatasetTask(PromptsTask):
       raise UserError(f"task.dataset={self.name!r} {where}: {what}={self.field!r} is empty; drop such rows"
                       " (datasets' filter) or choose another column.")
     if isinstance(value, list):
+      # A whole conversation: the prompt is everything before its closing assistant turns (the student
+      # writes the reply).
+      value = list(value)
+      while value and isinstance(value[-1], dict) and value[-1].get("role") == "assistant":
+        value.pop()
+      if not value:
+        raise UserError(f"task.dataset={self.name!r} {where}: task.messages_field={self.field!r} holds only"
+                        " assistant turns; a prompt needs a user turn.")
       if not self.chat:
         raise UserError(f"{where}: task.prompt_field={self.field!r} holds chat messages; give it as"
                         f" task.messages_field={self.field!r}.")
