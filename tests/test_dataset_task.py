@@ -73,7 +73,7 @@ def test_chat_messages_from_a_save_to_disk_folder_with_an_eval_split(tok, tmp_pa
   want = t(f"system: wa\nuser: {test_texts[0]}\nassistant:", add_special_tokens=False)["input_ids"]
   assert task.eval_set()[0][0] == want  # rendered through the chat template, generation prompt included
   assert len(task._train) == 12 and len(task.eval_set()[0]) == 4  # num_eval rows of the eval split
-  assert task.decode(want).endswith("assistant:")
+  assert task.tokenizer.decode(want).endswith("assistant:")
 
 
 @pytest.mark.parametrize("task, match", [

@@ -114,6 +114,7 @@ class SamplesHook(Hook):
 
     session, r = loop.session, sample.rollout
     task = session.task
+    decode = task.tokenizer.decode  # every task's tokenizer (HF's, the addition task's characters)
     n = min(SAMPLES_PER_LOG, int(np.asarray(r.completion_mask).shape[0]))
     pt, pm = _host(r.prompt_tokens)[:n], _host(r.prompt_mask)[:n].astype(bool)
     ct, cm = _host(r.completion_tokens)[:n], _host(r.completion_mask)[:n].astype(bool)
@@ -124,15 +125,15 @@ class SamplesHook(Hook):
       comp = [int(t) for t in ct[i][cm[i]]]
       ended = "eos" if comp and comp[-1] in task.eos_ids else (
           "truncated" if len(comp) >= r.sampling.max_new_tokens else "stopped")
-      row = {"step": step, "row": i, "prompt": task.decode([int(t) for t in pt[i][pm[i]]]),
-             "completion": task.decode(comp), "completion_tokens": len(comp), "ended": ended}
+      row = {"step": step, "row": i, "prompt": decode([int(t) for t in pt[i][pm[i]]]),
+             "completion": decode(comp), "completion_tokens": len(comp), "ended": ended}
       if getattr(task, "has_verifier", False) and hasattr(task, "is_correct") and sample.refs is not None:
         row["reward"] = float(task.is_correct(sample.refs[i], comp))
       if p is not None:
         kl = (q[i] - p[i])[cm[i]]
         top = np.argsort(-kl)[:HIGHLIGHTS]
         row["reverse_kl_mean"] = float(kl.mean()) if len(kl) else 0.0
-        row["highlights"] = [[task.decode([comp[j]]), round(float(kl[j]), 4)] for j in sorted(top)]
+        row["highlights"] = [[decode([comp[j]]), round(float(kl[j]), 4)] for j in sorted(top)]
       out.append(row)
     return out
 
@@ -144,7 +145,9 @@ class SamplesHook(Hook):
     inputs = sample.inputs[0] if isinstance(sample.inputs, tuple) else sample.inputs
     width = np.asarray(rollout.completion_mask).shape[1]
     if isinstance(inputs, dict) and "teacher_logprobs" in inputs:
-      return np.asarray(jax.device_get(inputs["teacher_logprobs"]))[:n, -width:]
+      from opdjax.rollout.base import _host
+
+      return np.asarray(_host(inputs["teacher_logprobs"]))[:n, -width:]
     if session.teacher is None or jax.process_count() > 1:
       return None
     from opdjax.scoring.rescore import batch_from_rollout, token_logprobs

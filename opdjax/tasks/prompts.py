@@ -61,9 +61,6 @@ class PromptsTask:
     self.eos_ids = () if eos is None else (eos,)
     self.vocab_size = len(self.tokenizer)
 
-  def decode(self, ids) -> str:
-    return self.tokenizer.decode(list(ids), skip_special_tokens=False)
-
   def _encode(self, row: dict, chat: bool, where: str) -> list[int]:
     if chat:
       messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
