@@ -35,7 +35,7 @@ def _loop(steps=20):
 @pytest.mark.parametrize("policy", ["warn", "halt"])
 def test_the_length_guard_acts_on_the_window_mean_only_above_its_threshold(policy):
   guard, loop = LengthGuardHook(policy, threshold=0.5, window=3), _loop()
-  shares = [0.4, 0.6, 0.5, 0.5, 0.9, 0.8]  # windows: 0.5 (not above), 0.53, 0.63 ...
+  shares = [0.4, 0.6, 0.5, 0.5, 0.9, 0.8, 0.9, 0.7, 0.8]  # windows: 0.5 (not above), 0.53, ..., 0.87, 0.8
   recs = []
   for step, share in enumerate(shares, 1):
     rec = {"step": step, "truncated_frac": share}
@@ -47,6 +47,8 @@ def test_the_length_guard_acts_on_the_window_mean_only_above_its_threshold(polic
   assert "length_guard_event" not in recs[4]  # a fresh window after an event
   if policy == "warn":
     assert loop.stop is None and "train.length_guard=warn" in recs[3]["length_guard_event"]
+    # still over at the next full window (step 7): warned once already, not again until it comes back down
+    assert recs[6]["length_guard_truncated"] > 0.5 and "length_guard_event" not in recs[6]
     guard.end(loop)
   else:
     assert loop.stop == "length_guard"

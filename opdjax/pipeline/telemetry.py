@@ -5,8 +5,10 @@ length guard.
 Length inflation (completions growing until they hit the cap) is the failure OPD users report most
 after collapse; `truncated_frac` is the share of a step's rows that used all `max_new_tokens` without
 ending on EOS. The length guard compares its mean over the last `train.length_guard_window` steps with
-`train.length_guard_threshold`: `warn` records `length_guard_event` (and a progress line), `halt` stops
-after the step, checkpointed, with one message naming the step and the share.
+`train.length_guard_threshold`: `warn` records `length_guard_event` (and a progress line) when the share
+first goes over, and again only after it came back down (a config whose cap is short by design warns
+once, not every window); `halt` stops after the step, checkpointed, with one message naming the step and
+the share.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class LengthGuardHook(Hook):
     self.policy, self.threshold, self.window, self.ckpt = policy, threshold, window, checkpointer
     self.values: collections.deque = collections.deque(maxlen=window)
     self.halted: tuple[int, float] | None = None
+    self.armed = True
 
   def record(self, loop: Loop, rec: dict) -> None:
     if "truncated_frac" not in rec or self.halted is not None:
@@ -49,8 +52,12 @@ class LengthGuardHook(Hook):
     share = sum(self.values) / self.window
     rec["length_guard_truncated"] = share
     if share <= self.threshold:
+      self.armed = True
       return
     self.values.clear()  # at most one event a window
+    if self.policy == "warn" and not self.armed:  # warned already: again once the share has come back down
+      return
+    self.armed = False
     over = (f"{share:.0%} of completions hit rollout.max_new_tokens over the last {self.window} steps (threshold"
             f" {self.threshold:.0%})")
     rec["length_guard_event"] = over + (": halt" if self.policy == "halt" else " (train.length_guard=warn)")
