@@ -105,3 +105,57 @@ def test_each_process_reads_a_contiguous_slice():
   spans = [shard_span(10, i, 3) for i in range(3)]
   assert spans == [(0, 4), (4, 7), (7, 10)]
   assert shard_span(2, 2, 3) == (2, 2)  # more processes than rows: an empty slice
+
+
+SLICE = """
+import json, sys
+from opdjax.pipeline import distributed
+distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), 60)
+from opdjax.config.defaults import default_config
+from opdjax.config.loader import apply_overrides
+from opdjax.config.schema import build
+from opdjax.pipeline.build import make_task
+from opdjax.tasks.dataset import DatasetTask
+seen = []
+encode = DatasetTask._encode_value
+DatasetTask._encode_value = lambda self, v, where: (seen.append(where), encode(self, v, where))[1]
+cfg = build(apply_overrides(default_config(), json.loads(sys.argv[3])))
+task = make_task(cfg)
+print(json.dumps({"train": task._train, "eval": task.eval_set()[0], "tags": task.tags(None), "seen": seen}))
+distributed.finish()
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_each_tokenize_their_slice_and_hold_the_same_prompts(tok, tmp_path):
+  """Two jax.distributed processes: each tokenizes about half the rows, and both end with the prompts a
+  single process reads (same order, same held-out rows, same tags)."""
+  import json
+  import os
+  import socket
+  import subprocess
+  import sys
+
+  path = tmp_path / "p.parquet"
+  datasets.Dataset.from_dict({"question": _texts(21), "kind": ["a", "b", "c"] * 7}).to_parquet(str(path))
+  task_keys = {"dataset": path, "prompt_field": "question", "tag_field": "kind"}
+  single = make_task(_cfg(tok, "plain", **task_keys))
+  overrides = {"task.name": "prompts", "teacher.path": str(tok / "plain"), "student.path": str(tok / "plain"),
+               "task.num_eval": "4", "rollout.max_len": "48", "rollout.max_new_tokens": "8",
+               **{f"task.{k}": str(v) for k, v in task_keys.items()}}
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+  procs = [subprocess.Popen([sys.executable, "-c", SLICE, f"127.0.0.1:{port}", str(i), json.dumps(overrides)],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  outs = [p.communicate(timeout=240) for p in procs]
+  assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+  got = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+  for g in got:
+    assert g["train"] == single._train and g["eval"] == single.eval_set()[0] and g["tags"] == single.tags(None)
+  seen = [set(g["seen"]) for g in got]
+  assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 21  # each row tokenized once, by one process
+  assert all(8 <= len(s) <= 13 for s in seen)  # about half each
