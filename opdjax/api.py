@@ -48,7 +48,7 @@ class Run:
     records carry (`reverse_kl`, and `accuracy` where the task has a verifier)."""
     from opdjax.pipeline.session import Session
 
-    session = Session(self.config, None, progress=False)
+    session = Session(self.config, self.out, progress=False)  # (a served teacher's servers log into out)
     try:
       placed = session.placement.params(self.params if params is None else params)
       return session.evaluate(placed)

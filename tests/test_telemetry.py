@@ -85,3 +85,17 @@ def test_the_source_commit_is_this_checkout_s():
   if head.returncode:
     pytest.skip("not a git checkout")
   assert trackers.source_commit().split("+")[0] == head.stdout.strip()
+
+
+def test_the_length_guard_window_survives_a_checkpoint():
+  """A resumed run's guard continues the window the checkpoint kept (as the uninterrupted run's would)."""
+  import json
+
+  before, loop = LengthGuardHook("warn", threshold=0.5, window=3), _loop()
+  for step in (1, 2):
+    before.record(loop, {"step": step, "truncated_frac": 0.9})
+  resumed, fresh = (LengthGuardHook("warn", 0.5, 3, state=s) for s in (json.loads(json.dumps(before.state())), None))
+  a, b = {"step": 3, "truncated_frac": 0.9}, {"step": 3, "truncated_frac": 0.9}
+  resumed.record(loop, a)
+  fresh.record(loop, b)
+  assert "length_guard_event" in a and "length_guard_truncated" not in b

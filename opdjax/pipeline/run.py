@@ -137,6 +137,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
   cfg = session.cfg
   primary = session.placement.primary  # process 0 writes the run's files
   view, depth, guard_state = EngineView.parse(cfg.rollout.view), cfg.rollout.async_depth, None
+  length_state = None
   state, start, last_eval, history, changes = None, 0, None, None, {}
   if resuming:
     state = session.new_state()  # the restore target: checkpoints restore into its shapes and shardings
@@ -147,6 +148,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
       if "guard" in meta:  # the guard's backoffs so far: the resumed run samples as the run did at the checkpoint
         view, depth = EngineView(**meta["engine"]["view_fields"]), meta["engine"]["async_depth"]
         guard_state = meta["guard"]
+      length_state = meta.get("length_guard")  # its window: the resumed run acts where the uninterrupted one would
     except BaseException:
       ckpt.close()
       raise
@@ -176,13 +178,17 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
            "teacher_view": str(session.teacher_view), "params_version": step, "versions": package_versions()}
     if guard is not None:
       out["guard"] = guard.state()
+    if length_guard is not None:
+      out["length_guard"] = length_guard.state()
     return out
 
+  t = cfg.train
+  length_guard = None if t.length_guard == "off" else LengthGuardHook(
+      t.length_guard, t.length_guard_threshold, t.length_guard_window, ckpt, length_state)
   fault = H.FaultHook()
   hooks = [] if guard is None else [guard]  # first: it annotates the record the writers write
-  t = cfg.train
-  if t.length_guard != "off":
-    hooks.append(LengthGuardHook(t.length_guard, t.length_guard_threshold, t.length_guard_window, ckpt))
+  if length_guard is not None:
+    hooks.append(length_guard)
   hooks += [H.EvalHook(cfg.train.eval_every), fault, H.JsonlWriter(os.path.join(out_dir, "metrics.jsonl"),
                                                                     start if resuming else -1)]
   if cfg.train.tensorboard or "tensorboard" in parse_loggers(t.loggers):

@@ -37,11 +37,16 @@ class LengthGuardHook(Hook):
   """Mean `truncated_frac` over the last `window` steps against `threshold` (see the module doc). Put it
   before the writers: it annotates the record they write."""
 
-  def __init__(self, policy: str, threshold: float, window: int, checkpointer=None):
+  def __init__(self, policy: str, threshold: float, window: int, checkpointer=None, state: dict | None = None):
     self.policy, self.threshold, self.window, self.ckpt = policy, threshold, window, checkpointer
-    self.values: collections.deque = collections.deque(maxlen=window)
+    state = state or {}
+    self.values: collections.deque = collections.deque(state.get("values", []), maxlen=window)
     self.halted: tuple[int, float] | None = None
-    self.armed = True
+    self.armed = state.get("armed", True)
+
+  def state(self) -> dict:
+    """What a checkpoint keeps, so a resumed run's guard acts where the uninterrupted one would."""
+    return {"values": list(self.values), "armed": self.armed}
 
   def record(self, loop: Loop, rec: dict) -> None:
     if "truncated_frac" not in rec or self.halted is not None:
