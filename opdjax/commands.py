@@ -75,19 +75,11 @@ def train(args, overrides) -> int:
   cfg = resolved_config(args, overrides)
   if cfg is None:
     return 0
-  import jax
+  from opdjax.api import train as api_train
 
-  from opdjax.parallel import gpu
-  from opdjax.pipeline.run import train as run_train
-  from opdjax.rollout.deploy import prepare_process
-
-  prepare_process(cfg)  # before JAX starts: a GPU shared with the vLLM servers split between them
-  # Before anything is loaded or written: CPU-only jax on a GPU node would otherwise train on CPU.
-  gpu.check_jax_backend(jax.default_backend(), gpu.visible_gpus(), gpu.config_wants_gpu(cfg))
-
-  distributed.check_same_config(cfg.to_dict())
-  result = run_train(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback,
-                     overwrite=args.overwrite, command=shlex.join(["opdjax", *getattr(args, "argv_", ["train"])]))
+  result = api_train(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback,
+                     overwrite=args.overwrite, command=shlex.join(["opdjax", *getattr(args, "argv_", ["train"])])
+                     ).result  # the Python API's function: one path for both
   distributed.finish()
   print(result.summary())
   if result.final_step == result.start_step:

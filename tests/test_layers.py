@@ -27,7 +27,7 @@ LAYERS = (
     ("opdjax.config",),
     ("opdjax.pipeline",),
     ("opdjax.analyses",),
-    ("opdjax.cli", "opdjax.commands"),
+    ("opdjax.cli", "opdjax.commands", "opdjax.api"),  # the CLI and the Python API, which it calls
 )
 
 
@@ -54,6 +54,8 @@ def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
 
 
 def _floor(module: str) -> int:
+  if module == "opdjax":  # the package's __init__ re-exports the Python API (opdjax.train): the top floor
+    return len(LAYERS) - 1
   for i, names in enumerate(LAYERS):
     if any(module == n or module.startswith(n + ".") for n in names):
       return i

@@ -34,6 +34,19 @@ TEACHER_SCORING = ("trainer", "engine")
 TEACHER_SERVE = ("trainer", "vllm")
 
 
+LOGGERS = ("jsonl", "tensorboard", "wandb", "trackio")
+
+
+def parse_loggers(spec: str) -> tuple[str, ...]:
+  """`train.loggers` ('jsonl,wandb') as names, each checked."""
+  names = tuple(dict.fromkeys(x.strip() for x in spec.split(",") if x.strip()))
+  for name in names:
+    if name not in LOGGERS:
+      raise UserError(f"train.loggers={spec!r}: {name!r} is not a logger; choose from {', '.join(LOGGERS)}"
+                      " (comma-separated, e.g. 'jsonl,wandb').")
+  return names
+
+
 def check_choice(key: str, value, choices) -> None:
   if value not in choices:
     raise UserError(f"{key}={value!r}; choose one of {', '.join(repr(c) for c in choices)}.")
@@ -51,7 +64,12 @@ def check_views(key: str, spec: str, sep: str = ";") -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-  """`addition` (built-in, exact verifier) or `prompts` (`path`: a JSONL of prompts, or builtin:NAME).
+  """`addition` (built-in, exact verifier) or `prompts`: `path`, a JSONL of prompts (or builtin:NAME), or
+  `dataset`, a `datasets` dataset (a Hub name, a save_to_disk folder, a local parquet/JSON/CSV/arrow file or
+  folder; opdjax.tasks.dataset) whose `split` gives the prompts: the text column `prompt_field`, or the
+  chat-messages column `messages_field` (rendered with the student's chat template), `tag_field` a column
+  routing prompts to teachers (teacher.routes); held out: `eval_split`'s first num_eval rows, or num_eval
+  rows of `split` held back by a fixed permutation.
   `answer` (addition): `sum`, the reversed sum; `worked`, the column sums first (~3x longer answers:
   give rollout.max_new_tokens >= 5 * max_digits + 3; configs/demo_worked.py)."""
 
@@ -61,14 +79,31 @@ class TaskConfig:
   num_eval: int = 256
   path: str = ""
   chat_template: bool = False
+  dataset: str = ""
+  split: str = "train"
+  eval_split: str = ""
+  prompt_field: str = "prompt"
+  messages_field: str = ""
+  tag_field: str = ""
 
   def check(self):
     check_choice("task.name", self.name, TASKS)
     check_positive("task.num_eval", self.num_eval)
     check_choice("task.answer", self.answer, ANSWERS)
-    if self.name == "prompts":
+    if self.dataset and self.name != "prompts":
+      raise UserError(f"task.dataset={self.dataset!r} gives prompts: set task.name='prompts' with it.")
+    if self.name == "prompts" and self.dataset:
+      if self.path:
+        raise UserError(f"task.path={self.path!r} and task.dataset={self.dataset!r} both give the prompts; keep one.")
+      if not (self.prompt_field or self.messages_field):
+        raise UserError("task.dataset needs a column: task.prompt_field (text) or task.messages_field (chat).")
+      if self.eval_split and self.eval_split == self.split:
+        raise UserError(f"task.eval_split={self.eval_split!r} is the training split; give another split, or leave it"
+                        " empty to hold back task.num_eval rows of task.split.")
+    elif self.name == "prompts":
       if not self.path:
-        raise UserError("task.path is empty: task.name='prompts' needs a JSONL of prompts (or builtin:NAME).")
+        raise UserError("task.path is empty: task.name='prompts' needs a JSONL of prompts (or builtin:NAME), or a"
+                        " task.dataset.")
       if not self.path.startswith("builtin:") and CHECK_PATHS.get() and not os.path.exists(self.path):
         raise UserError(f"task.path={self.path!r} does not exist; give a JSONL file of prompts.")
 
@@ -87,14 +122,18 @@ class ModelConfig:
 
 
 def _check_path(role: str, path: str) -> None:
-  if path and not path.startswith("fetch:") and CHECK_PATHS.get() and not os.path.isdir(path):
-    raise UserError(f"{role}.path={path!r} is not a folder; give a Hugging Face safetensors folder or"
-                    " fetch:NAME (see `opdjax models fetch`).")
+  from opdjax.models.hub import is_hub_id
+
+  if path and not path.startswith("fetch:") and not is_hub_id(path) and CHECK_PATHS.get() and not os.path.isdir(path):
+    raise UserError(f"{role}.path={path!r} is not a folder; give a Hugging Face safetensors folder, a Hub id"
+                    " org/name[@revision], or fetch:NAME (see `opdjax models fetch`).")
 
 
 @dataclasses.dataclass(frozen=True)
 class StudentConfig:
-  """`path`: an HF folder or `fetch:NAME`; empty builds the demo's model (addition task only).
+  """`path`: an HF folder, a Hub id `org/name[@revision]` (resolved to a snapshot in the HF cache; offline
+  from it with HF_HUB_OFFLINE=1: opdjax.models.hub) or `fetch:NAME`; empty builds the demo's model (addition
+  task only).
   `keep_layers` prunes a loaded model (`0::2` keeps every other layer). The rest size the demo model."""
 
   path: str = ""
@@ -294,7 +333,12 @@ class TrainConfig:
   budget: a budget.json of `opdjax calibrate`; `guard` compares the mean of the last `guard_window`
   steps' mismatch with it: warn, backoff (lower rollout.async_depth, then switch to `guard_view`)
   or halt (opdjax.pipeline.guard). `timed`: every step's record carries the time split (time_generate_s,
-  time_train_s, ...; a synchronous run then waits for each stage, asynchronous runs always carry it)."""
+  time_train_s, ...; a synchronous run then waits for each stage, asynchronous runs always carry it).
+  loggers: where records go besides OUT/metrics.jsonl (always written), comma-separated from jsonl,
+  tensorboard, wandb, trackio (opdjax.pipeline.trackers; `tracker_project` names the W&B / trackio
+  project). log_samples_every: every k steps a few samples to OUT/samples.jsonl and the trackers' tables
+  (0: none). length_guard: off, warn or halt when more than `length_guard_threshold` of the completions
+  hit rollout.max_new_tokens over `length_guard_window` steps (opdjax.pipeline.telemetry)."""
 
   steps: int = 1200
   eval_every: int = 1
@@ -308,9 +352,25 @@ class TrainConfig:
   guard_view: str = ""
   guard_window: int = 5
   timed: bool = False
+  loggers: str = "jsonl"
+  tracker_project: str = "opdjax"
+  log_samples_every: int = 0
+  length_guard: str = "warn"
+  length_guard_threshold: float = 0.5
+  length_guard_window: int = 5
 
   def check(self):
     check_positive("train.steps", self.steps)
+    parse_loggers(self.loggers)
+    check_positive("train.log_samples_every", self.log_samples_every, 0)
+    if self.log_samples_every > self.steps:
+      raise UserError(f"train.log_samples_every={self.log_samples_every} is larger than the run (train.steps="
+                      f"{self.steps}): no sample would be logged; give at most {self.steps}, or 0 for none.")
+    check_choice("train.length_guard", self.length_guard, ("off", "warn", "halt"))
+    if not 0.0 <= self.length_guard_threshold <= 1.0:
+      raise UserError(f"train.length_guard_threshold={self.length_guard_threshold}: a share of completions in [0, 1]"
+                      " (e.g. 0.5).")
+    check_positive("train.length_guard_window", self.length_guard_window)
     check_positive("train.eval_every", self.eval_every)
     check_positive("train.checkpoint_every", self.checkpoint_every, 0)
     check_positive("train.keep_checkpoints", self.keep_checkpoints)

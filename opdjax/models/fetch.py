@@ -109,7 +109,12 @@ def fetch(name: str, cache_dir: str | None = None, progress: bool = True) -> str
 
 
 def resolve(path: str) -> str:
-  """A model path from a config: a folder, or `fetch:NAME` (fetched and cached on first use)."""
+  """A model path from a config: a folder, `fetch:NAME` (fetched and cached on first use), or a Hugging
+  Face Hub id `org/name[@revision]` (its snapshot in the HF cache: opdjax.models.hub)."""
   if path.startswith("fetch:"):
     return fetch(path[len("fetch:"):])
+  from opdjax.models import hub
+
+  if hub.is_hub_id(path):
+    return hub.snapshot(path)
   return path

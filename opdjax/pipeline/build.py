@@ -31,6 +31,11 @@ def make_task(cfg):
   if cfg.task.name == "prompts":
     if not cfg.teacher.path:
       raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
+    if cfg.task.dataset:  # the student's tokenizer (and chat template) renders the prompts it samples from
+      from opdjax.tasks.dataset import DatasetTask
+
+      return DatasetTask(cfg.task, resolve(cfg.student.path or cfg.teacher.path),
+                         cfg.rollout.max_len - cfg.rollout.max_new_tokens)
     path = cfg.task.path
     if path.startswith("builtin:"):  # prompts shipped with opdjax (opdjax/data/NAME.jsonl)
       path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", path[len("builtin:"):] + ".jsonl")

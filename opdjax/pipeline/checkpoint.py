@@ -93,18 +93,21 @@ class RunState:
   sampling: dict  # SamplingParams fields
   teacher_view: str
   guard: dict | None = None  # GuardHook.state() of a run with train.budget
+  length_guard: dict | None = None  # LengthGuardHook.state() (opdjax.pipeline.telemetry): its window
   versions: dict = dataclasses.field(default_factory=dict)  # package versions that wrote it
 
   @classmethod
-  def of(cls, loop, step: int, guard: dict | None = None) -> RunState:
-    """What a checkpoint of `loop` at `step` holds (`guard`: the mismatch guard's state, if the run has one)."""
+  def of(cls, loop, step: int, guard: dict | None = None, length_guard: dict | None = None) -> RunState:
+    """What a checkpoint of `loop` at `step` holds (`guard`, `length_guard`: the mismatch and length guards'
+    states, where the run has them)."""
     session, sampler = loop.session, loop.sampler
     h = sampler.history
     return cls(step=step, train=loop.state, history_versions=h.versions if h else [], history=h.params() if h else [],
                last_eval=loop.last_eval, config=session.cfg.to_dict(), student_config=session.student.cfg.to_hf_dict(),
                kind=session.deployment.kind, view=sampler.view, depth=sampler.depth,
                async_mode=session.cfg.rollout.async_mode, sampling=dataclasses.asdict(session.sampling),
-               teacher_view=str(session.teacher_view), guard=guard, versions=package_versions())
+               teacher_view=str(session.teacher_view), guard=guard, length_guard=length_guard,
+               versions=package_versions())
 
   def tree(self) -> dict:
     return {"train": self.train, "history": self.history}
@@ -117,6 +120,8 @@ class RunState:
            "teacher_view": self.teacher_view, "params_version": self.step, "versions": self.versions}
     if self.guard is not None:
       out["guard"] = self.guard
+    if self.length_guard is not None:
+      out["length_guard"] = self.length_guard
     return out
 
   @staticmethod
@@ -134,6 +139,7 @@ class RunState:
                student_config=meta["student_config"], kind=engine.get("kind", ""), view=view,
                depth=engine["async_depth"], async_mode=engine.get("async_mode", "exact"), sampling=engine["sampling"],
                teacher_view=meta.get("teacher_view", "clean"), guard=meta.get("guard"),
+               length_guard=meta.get("length_guard"),
                versions=meta.get("versions", {}))
 
 

@@ -68,15 +68,16 @@ class FaultHook(Hook):
 class CheckpointHook(Hook):
   """Orbax checkpoint of the whole run (a RunState) every `every` steps, at the end and when a hook
   stops the run (`loop.stop`); the step's record is on disk before the checkpoint that covers it.
-  `guard`: the run's mismatch guard, whose state the checkpoint keeps."""
+  `guard`, `length_guard`: the run's mismatch and length guards, whose states the checkpoint keeps."""
 
-  def __init__(self, checkpointer, every: int, guard=None, fault: FaultHook | None = None):
-    self.ckpt, self.every, self.guard, self.fault = checkpointer, every, guard, fault
+  def __init__(self, checkpointer, every: int, guard=None, fault: FaultHook | None = None, length_guard=None):
+    self.ckpt, self.every, self.guard, self.fault, self.length_guard = checkpointer, every, guard, fault, length_guard
 
   def after_step(self, loop: Loop, step: int) -> None:
     if (self.every and step % self.every == 0) or step == loop.steps or loop.stop is not None:
       loop.flush()
-      run = RunState.of(loop, step, guard=None if self.guard is None else self.guard.state())
+      run = RunState.of(loop, step, guard=None if self.guard is None else self.guard.state(),
+                        length_guard=None if self.length_guard is None else self.length_guard.state())
       self.ckpt.save_run(run, metrics=loop.last_eval)
       if self.fault is not None:
         self.fault.phase(loop, "save", step)
@@ -180,12 +181,13 @@ class Progress(Hook):
   def record(self, loop: Loop, rec: dict) -> None:
     if not self.enabled or rec["step"] == loop.start_step:
       return
-    if "guard_event" in rec:  # the mismatch guard acted: always a line of its own
-      line = f"{self.desc}: step {rec['step']}: guard: {rec['guard_event']}"
-      if self.bar is not None:
-        self.bar.write(line, file=self.stream)
-      else:
-        print(line, file=self.stream, flush=True)
+    for key, who in (("guard_event", "guard"), ("length_guard_event", "length guard")):
+      if key in rec:  # a guard acted: always a line of its own
+        line = f"{self.desc}: step {rec['step']}: {who}: {rec[key]}"
+        if self.bar is not None:
+          self.bar.write(line, file=self.stream)
+        else:
+          print(line, file=self.stream, flush=True)
     if self.bar is not None:
       self.bar.update(1)
       self.bar.set_postfix(self._postfix(loop, rec))

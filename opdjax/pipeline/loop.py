@@ -19,6 +19,7 @@ import numpy as np
 
 from opdjax.errors import Interrupted, ServerFailed
 from opdjax.pipeline.async_sampler import AsyncSampler
+from opdjax.pipeline.lengths import with_lengths
 from opdjax.pipeline.overlap import fields as overlap_fields
 from opdjax.pipeline.overlap import generate_side
 from opdjax.pipeline.session import Session
@@ -64,6 +65,7 @@ class Loop:
   eval_s: float = 0.0  # seconds spent in held-out evaluation, left out of `wall_s`
   stop: str | None = None
   timed: bool = False
+  sample: Sample | None = None  # the step just dispatched (opdjax.pipeline.telemetry.SamplesHook reads it)
 
   def flush(self) -> None:
     """Reads the pending step's metrics to the host and hands its record to every hook."""
@@ -185,6 +187,7 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
       timing = Timing(sample, step, sampler.depth, loop.eval_s) if loop.timed else None
       _phase(loop, "rollout", step + 1)
       loop.state, metrics, score = obj(loop.state, sample)
+      score, loop.sample = with_lengths(score, sample.rollout, session.task.eos_ids), sample
       _phase(loop, "step", step + 1)
       loop.flush()  # step t-1's record, after step t is dispatched
       version = sample.rollout.params_version

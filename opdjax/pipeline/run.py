@@ -27,12 +27,16 @@ from opdjax.pipeline.guard import GuardHook, load_run_budget
 from opdjax.pipeline.loop import run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
 from opdjax.pipeline.session import Session
+from opdjax.pipeline.telemetry import LengthGuardHook, SamplesHook
+from opdjax.pipeline.trackers import check_installed, parse_loggers, tracker_hooks
 from opdjax.rollout.deploy import check_memory, plan, resolve_servers
 from opdjax.views.view import EngineView
 
 # Keys a resumed run may change: they extend it (more steps) or only observe it.
 RESUMABLE = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.best_metric", "train.tensorboard", "rollout.vllm.url", "rollout.vllm.api_key",
+             "train.best_metric", "train.tensorboard", "train.loggers", "train.tracker_project",
+             "train.log_samples_every", "train.length_guard", "train.length_guard_threshold",
+             "train.length_guard_window", "rollout.vllm.url", "rollout.vllm.api_key",
              "rollout.vllm.python", "rollout.vllm.gpu_memory_utilization", "rollout.vllm.cpu_kvcache_gib",
              "rollout.vllm.enforce_eager", "rollout.vllm.extra_args", "rollout.devices", "rollout.vllm.urls",
              "rollout.vllm.num_servers", "rollout.vllm.gpus",
@@ -82,6 +86,7 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
   be restored, use the previous good one. `command`: the command line that ran this, for messages
   that say what to run next."""
   cfg = resolve_servers(cfg)  # the servers' dtype and CUDA graphs as they will run: recorded, and resumes compare them
+  check_installed(cfg.train.loggers)  # a tracker that is not installed: one line, before --out is touched
   ckpt_dir = os.path.join(out_dir, "checkpoints")
   ours = is_run_dir(out_dir)
   check_out_dir(out_dir, "train", overwrite, own=ours)
@@ -149,6 +154,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
   cfg = session.cfg
   primary = session.placement.primary  # process 0 writes the run's files
   view, depth, guard_state = EngineView.parse(cfg.rollout.view), cfg.rollout.async_depth, None
+  length_state = None
   state, start, last_eval, history, changes = None, 0, None, None, {}
   if resuming:
     ckpt = RunCheckpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, best_metric=cfg.train.best_metric)
@@ -162,6 +168,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     start, state, last_eval, history = run.step, run.train, run.last_eval, (run.history_versions, run.history)
     # The sampler as it ran at the checkpoint: the config's view and depth, or where the guard's backoffs took them.
     view, depth, guard_state = run.view, run.depth, run.guard
+    length_state = run.length_guard  # its window: the resumed run acts where the uninterrupted one would
     for k, (a, b) in changes.items():
       print(f"opdjax: resuming with {k} changed: {a!r} -> {b!r}", file=sys.stderr)
   else:
@@ -178,14 +185,24 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     guard = GuardHook(budget, cfg.train.budget, cfg.train.guard, cfg.train.guard_window,
                       EngineView.parse(cfg.train.guard_view) if cfg.train.guard_view else None, ckpt, guard_state)
 
+  t = cfg.train
+  length_guard = None if t.length_guard == "off" else LengthGuardHook(
+      t.length_guard, t.length_guard_threshold, t.length_guard_window, ckpt, length_state)
   fault = H.FaultHook()
   hooks = [] if guard is None else [guard]  # first: it annotates the record the writers write
+  if length_guard is not None:
+    hooks.append(length_guard)
   hooks += [H.EvalHook(cfg.train.eval_every), fault, H.JsonlWriter(os.path.join(out_dir, "metrics.jsonl"),
                                                                     start if resuming else -1)]
-  if cfg.train.tensorboard:
+  if cfg.train.tensorboard or "tensorboard" in parse_loggers(t.loggers):
     hooks.append(H.TensorBoardWriter(os.path.join(out_dir, "tensorboard")))
+  if primary:  # W&B, trackio: process 0 alone
+    hooks += tracker_hooks(t.loggers, out_dir, t.tracker_project, cfg.to_dict())
+  if t.log_samples_every:  # every process (its rows may be others'), process 0 writes
+    hooks.append(SamplesHook(os.path.join(out_dir, "samples.jsonl"), t.log_samples_every,
+                             start if resuming else -1, write=primary))
   hooks += [H.NonFiniteHook(cfg.train.on_nonfinite, ckpt), H.Progress("OPD", progress),
-            H.CheckpointHook(ckpt, cfg.train.checkpoint_every, guard, fault)]
+            H.CheckpointHook(ckpt, cfg.train.checkpoint_every, guard, fault, length_guard)]
   if not primary:  # process 0 alone writes metrics and progress; checkpoints are every process's (Orbax)
     hooks = [h for h in hooks if not isinstance(h, (H.JsonlWriter, H.TensorBoardWriter, H.Progress))]
   if start >= cfg.train.steps:

@@ -16,22 +16,27 @@ import numpy as np
 from opdjax.errors import UserError
 
 
+def load_tokenizer(tokenizer_path: str):
+  """The HF tokenizer of a model folder, or one clear error naming what is missing."""
+  from transformers import AutoTokenizer
+
+  names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+  if not any(os.path.exists(os.path.join(tokenizer_path, n)) for n in names):
+    raise UserError(f"{tokenizer_path} has no tokenizer files ({', '.join(names)}): the prompts are encoded with"
+                    " the teacher's tokenizer; copy its tokenizer files into the folder (save_pretrained of the"
+                    " tokenizer) or point teacher.path at the original model folder.")
+  try:
+    return AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+  except (OSError, ValueError) as e:
+    raise UserError(f"the tokenizer in {tokenizer_path} does not load ({type(e).__name__}: {str(e)[:200]});"
+                    " check its tokenizer files.") from None
+
+
 class PromptsTask:
   def __init__(self, path: str, tokenizer_path: str, num_eval: int, chat_template: bool, max_prompt_tokens: int):
     if not os.path.exists(path):
       raise FileNotFoundError(f"task.path={path} not found; give a JSONL file with one {{\"prompt\": ...}} per line.")
-    from transformers import AutoTokenizer
-
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any(os.path.exists(os.path.join(tokenizer_path, n)) for n in names):
-      raise UserError(f"{tokenizer_path} has no tokenizer files ({', '.join(names)}): the prompts are encoded with"
-                      " the teacher's tokenizer; copy its tokenizer files into the folder (save_pretrained of the"
-                      " tokenizer) or point teacher.path at the original model folder.")
-    try:
-      self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    except (OSError, ValueError) as e:
-      raise UserError(f"the tokenizer in {tokenizer_path} does not load ({type(e).__name__}: {str(e)[:200]});"
-                      " check its tokenizer files.") from None
+    self.tokenizer = load_tokenizer(tokenizer_path)
     rows, tags = [], []
     with open(path) as f:
       for n, line in enumerate(f, 1):
@@ -45,8 +50,12 @@ class PromptsTask:
                        f" {too_long[0] + 1}); raise rollout.max_len or shorten them.")
     if len(rows) <= num_eval:
       raise UserError(f"{path} has {len(rows)} prompts; need more than task.num_eval={num_eval}.")
-    self._train, self._eval = rows[:-num_eval] if num_eval else rows, rows[len(rows) - num_eval:]
-    self.path, self._tags = path, tags  # (tag or None, line number) per prompt, train then held out
+    self._setup(path, rows[:-num_eval] if num_eval else rows, rows[len(rows) - num_eval:], tags)
+
+  def _setup(self, path: str, train: list, held_out: list, tags: list) -> None:
+    """`tags`: (tag or None, where) per prompt, the training prompts' first, then the held-out ones'."""
+    self._train, self._eval = train, held_out
+    self.path, self._tags = path, tags
     self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
     eos = self.tokenizer.eos_token_id
     self.eos_ids = () if eos is None else (eos,)

@@ -1,0 +1,119 @@
+"""Experiment trackers of a run (`train.loggers`): W&B and trackio beside metrics.jsonl and TensorBoard.
+
+Every tracker gets every numeric field of every record by step (held-out numbers only at the step they
+were measured), the run's config once, with the commit of the opdjax source that ran (`opdjax_commit`),
+and the sample tables of opdjax.pipeline.telemetry.SamplesHook. metrics.jsonl is always written (resumes
+read it); `tensorboard` is train.tensorboard's event files. Neither W&B nor trackio is a dependency:
+`pip install 'opdjax[trackers]'`; asking for one that is not installed is one error before --out is
+touched. Only process 0 logs. W&B honours its own environment (WANDB_MODE=offline writes the run under
+OUT/wandb/ for `wandb sync`); trackio writes its local store (TRACKIO_DIR, default
+~/.cache/huggingface/trackio; `trackio show` opens it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+
+from opdjax.config.sections import parse_loggers
+from opdjax.errors import UserError
+from opdjax.pipeline.hooks import carried_eval_keys
+from opdjax.pipeline.loop import Hook, Loop
+
+PACKAGES = {"wandb": "wandb", "trackio": "trackio"}
+
+
+def check_installed(spec: str) -> None:
+  """One line naming the extra for a tracker that is not installed (before anything is written)."""
+  for name in parse_loggers(spec):
+    pkg = PACKAGES.get(name)
+    if pkg and importlib.util.find_spec(pkg) is None:
+      raise UserError(f"train.loggers has {name!r}, but {pkg} is not installed: pip install 'opdjax[trackers]' (or"
+                      f" pip install {pkg}), or drop {name!r} from train.loggers.")
+
+
+def source_commit() -> str:
+  """The git commit of the opdjax source that runs ('+dirty' with uncommitted changes; '' outside a checkout)."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  try:
+    head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    if head.returncode:
+      return ""
+    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True, timeout=10)
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+  except (OSError, subprocess.SubprocessError):
+    return ""
+
+
+def numeric_fields(loop: Loop, rec: dict) -> dict[str, float]:
+  stale = carried_eval_keys(loop, rec)
+  return {k: v for k, v in rec.items() if k != "step" and k not in stale and isinstance(v, (int, float))
+          and not isinstance(v, bool)}
+
+
+class Tracker(Hook):
+  """A tracker run opened at `start` with the config, fed each record, closed at `close`. `table(step, rows)`:
+  a sample table (a list of flat dicts)."""
+
+  def __init__(self, out_dir: str, project: str, config: dict):
+    self.out_dir, self.project = out_dir, project
+    self.name = os.path.basename(os.path.abspath(out_dir))
+    self.config = {**config, "opdjax_commit": source_commit(), "out": os.path.abspath(out_dir)}
+    # One id per --out: a resumed run continues its tracker run.
+    self.run_id = hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[:16]
+    self.run = None
+
+  def table(self, step: int, rows: list[dict]) -> None: ...
+
+
+class WandbWriter(Tracker):
+  def start(self, loop: Loop) -> None:
+    import wandb
+
+    self.wandb = wandb
+    self.run = wandb.init(project=self.project, name=self.name, id=self.run_id, resume="allow", dir=self.out_dir,
+                          config=self.config)
+
+  def record(self, loop: Loop, rec: dict) -> None:
+    self.run.log(numeric_fields(loop, rec), step=rec["step"])
+
+  def table(self, step: int, rows: list[dict]) -> None:
+    if rows:
+      cols = list(rows[0])
+      self.run.log({"samples": self.wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])}, step=step)
+
+  def close(self, loop: Loop) -> None:
+    if self.run is not None:
+      self.run.finish()
+      self.run = None
+
+
+class TrackioWriter(Tracker):
+  def start(self, loop: Loop) -> None:
+    import trackio
+
+    self.trackio = trackio
+    self.run = trackio.init(project=self.project, name=self.name, config=self.config, resume="allow")
+
+  def record(self, loop: Loop, rec: dict) -> None:
+    self.trackio.log(numeric_fields(loop, rec), step=rec["step"])
+
+  def table(self, step: int, rows: list[dict]) -> None:
+    if rows and hasattr(self.trackio, "Table"):
+      import pandas as pd
+
+      self.trackio.log({"samples": self.trackio.Table(dataframe=pd.DataFrame(rows))}, step=step)
+
+  def close(self, loop: Loop) -> None:
+    if self.run is not None:
+      self.trackio.finish()
+      self.run = None
+
+
+def tracker_hooks(loggers: str, out_dir: str, project: str, config: dict) -> list[Tracker]:
+  """The W&B / trackio hooks `train.loggers` asks for (jsonl and tensorboard are the run's own writers)."""
+  kinds = {"wandb": WandbWriter, "trackio": TrackioWriter}
+  return [kinds[n](out_dir, project, config) for n in parse_loggers(loggers) if n in kinds]
