@@ -1,4 +1,4 @@
-"""docs/distill_your_own_pair.md's command runs as written: its Hub ids are tiny models in a local Hugging Face
+"""The README's "Distill your own pair" command runs as written: its Hub ids are tiny models in a local Hugging Face
 cache (offline), its dataset a local parquet of chat prompts, and a handful of steps are appended."""
 
 import json
@@ -15,7 +15,7 @@ from opdjax.models.hub import split_id
 pytestmark = pytest.mark.slow  # an OPD run of a few steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOC = os.path.join(ROOT, "docs", "distill_your_own_pair.md")
+DOC = os.path.join(ROOT, "README.md")
 # What the test adds after the command: a handful of steps, at sizes the tiny models take.
 SMALL = ["--config.train.steps=3", "--config.train.eval_every=3", "--config.train.log_samples_every=1",
          "--config.rollout.batch_size=8", "--config.rollout.max_new_tokens=8", "--config.rollout.max_len=48",
@@ -23,8 +23,9 @@ SMALL = ["--config.train.steps=3", "--config.train.eval_every=3", "--config.trai
 
 
 def doc_command() -> list[str]:
-  """The one `opdjax train` command of the page's bash blocks, as argv."""
-  blocks = re.findall(r"```bash\n(.*?)```", open(DOC).read(), re.S)
+  """The one `opdjax train` command of the README section's bash blocks, as argv."""
+  section = open(DOC).read().split("## Distill your own pair", 1)[1].split("\n## ", 1)[0]
+  blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
   commands = [shlex.split(b.replace("\\\n", " ")) for b in blocks if "opdjax train" in b]
   assert len(commands) == 1, commands
   return commands[0]

@@ -206,8 +206,8 @@ def test_slurm_async_layout_sidecars_parse_as_vllm_serves_them(layout_with_files
 
 
 def readme_block(marker):
-  """The first ```bash block after `marker` in the README's "Running on a cluster" section."""
-  readme = open(os.path.join(ROOT, "README.md")).read()
+  """The first ```bash block after `marker` in the guide's "Running on a cluster" section (docs/guide.md)."""
+  readme = open(os.path.join(ROOT, "docs", "guide.md")).read()
   section = readme.split("## Running on a cluster", 1)[1].split("\n## ", 1)[0]
   block = section.split(marker, 1)[1]
   return section, block.split("```bash\n", 1)[1].split("```", 1)[0]
@@ -215,7 +215,7 @@ def readme_block(marker):
 
 @pytest.mark.slow
 def test_readme_dry_run_example_runs_verbatim():
-  """The README's worked example, as a reader would paste it, runs and prints the job's commands: the
+  """The guide's worked example (docs/guide.md), as a reader would paste it, runs and prints the job's commands: the
   asynchronous layout, with the recipe's flags marked as built at job start (its files are the cluster's)."""
   section, script = readme_block("<!-- tests/test_launch.py runs this block verbatim -->")
   env = {k: v for k, v in os.environ.items() if k != "OPDJAX_SIDECAR_TOKEN"}
@@ -239,6 +239,7 @@ def test_readme_dry_run_example_runs_verbatim():
           " /runs/calib/budget.json") in p.stderr
   # "Asynchronous rollouts at scale" shows the command every trainer process runs: this one, word for word.
   shown = section.split("Per process, as `launch/slurm_multinode.sh` starts", 1)[1].split("\n\n", 2)[1]
+  shown = shown.strip().removeprefix("```console").removesuffix("```")  # a console block of the guide
   trainer = shlex.split(lines[-1], comments=True)[-1]
   assert shlex.split(shown.replace("\\\n", " ")) == shlex.split(trainer.split("exec ", 1)[1])
 
@@ -246,7 +247,7 @@ def test_readme_dry_run_example_runs_verbatim():
 @pytest.mark.slow
 def test_the_cluster_configs_batch_splits_over_the_launchers_other_layouts():
   """configs/qwen3_8b_to_1p7b.py's 240 rows and 144 held-out prompts need no override on 2 x 8 GPUs: over the
-  README's 12 trainer GPUs (the tests above), a node of sidecars and a trainer node (8), no sidecars (16)."""
+  guide's 12 trainer GPUs (the tests above), a node of sidecars and a trainer node (8), no sidecars (16)."""
   paths = ("--config.teacher.path=/models/Qwen3-8B", "--config.student.path=/models/Qwen3-1.7B",
            "--config.task.path=/data/prompts.jsonl")
   for env, mesh in (({"VLLM_NODES": "1", "VLLM_TP": "8"}, ["--config.mesh.data=1", "--config.mesh.fsdp=8"]),
@@ -261,7 +262,7 @@ def test_the_cluster_configs_batch_splits_over_the_launchers_other_layouts():
 @pytest.mark.slow
 def test_readme_memory_check_prints_what_the_readme_quotes(tmp_path):
   """The worked example's `opdjax plan` (an ahead-of-time compile on 12 fake host devices) still prints the
-  line the README quotes, and the README's per-device figures are its JSON's."""
+  line the guide quotes, and the guide's per-device figures are its JSON's."""
   section, script = readme_block("<!-- tests/test_launch.py runs this plan and finds the line quoted below")
   out = tmp_path / "plan.json"
   p = subprocess.run(["bash", "-c", script.strip() + f" --json {out}"], cwd=ROOT, capture_output=True, text=True,
@@ -271,6 +272,6 @@ def test_readme_memory_check_prints_what_the_readme_quotes(tmp_path):
   assert "fits: " + quoted in p.stdout
   plan = json.loads(out.read_text())
   assert plan["mesh_sizes"] == {"data": 2, "fsdp": 6, "tensor": 1} and plan["fits"]
-  train, rollout, flat = plan["train"], plan["rollout"], " ".join(section.split())
+  train, rollout, flat = plan["train"], plan["rollout"], " ".join(section.replace("`", "").split())
   assert f"{train['peak'] / 2**30:.2f} GiB of train-step peak and {rollout['peak'] / 2**30:.2f} of rollout peak" in flat
   assert f"{train['teacher_params'] / 2**30:.2f} GiB is the fp32 teacher" in flat
