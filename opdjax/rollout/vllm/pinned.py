@@ -4,8 +4,6 @@ process started under that affinity mask while the trainer's threads keep the re
 
 from __future__ import annotations
 
-import os
-
 from opdjax.rollout.cores import TRAINER, allowed_cpus, format_cpus, parse_cpus
 from opdjax.rollout.vllm.server import VllmServer
 
@@ -40,15 +38,15 @@ def omp_bind(cpus: list[int], tensor_parallel_size: int) -> str:
 
 
 class PinnedVllmServer(VllmServer):
-  """A VllmServer started under the affinity mask `cpus` (the calling thread takes it just for the
-  fork: the child and everything it starts inherit it), with the trainer's threads on `trainer_cpus`
-  while it runs."""
+  """A VllmServer forked under the affinity mask `cpus` (the spawner thread, opdjax.rollout.children, takes
+  it just for the fork: the child and everything it starts inherit it), with the trainer's threads on
+  `trainer_cpus` while it runs."""
 
   def __init__(self, *args, cpus: list[int], trainer_cpus: list[int], **kw):
     super().__init__(*args, **kw)
     self.cpus, self.trainer_cpus = list(cpus), list(trainer_cpus)
+    self.fork_cpus = self.cpus
     self._pinned = False
-    self._mask: list[int] | None = None
 
   def launch(self) -> PinnedVllmServer:
     if self.running:
@@ -56,17 +54,7 @@ class PinnedVllmServer(VllmServer):
     if not self._pinned:
       TRAINER.acquire(self.trainer_cpus)
       self._pinned = True
-    self._mask = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, self.cpus)
-    try:
-      return super().launch()
-    finally:
-      self._restore()  # the child exists: this thread goes back to the trainer's cores
-
-  def _restore(self) -> None:
-    if self._mask is not None:
-      os.sched_setaffinity(0, self._mask)
-      self._mask = None
+    return super().launch()
 
   def stop(self, timeout_s: float = 30.0) -> None:
     super().stop(timeout_s)

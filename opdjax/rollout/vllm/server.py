@@ -188,6 +188,7 @@ class VllmServer:
     self.log_path = log_path  # a temporary file, made at the first start, when None
     self._log_start = 0  # where this run's part of the (appended) log begins
     self._proc: subprocess.Popen | None = None
+    self.fork_cpus: list[int] | None = None  # the affinity mask the server is forked under (None: the spawner's)
     self._port: int | None = None
     self._healthy = False
 
@@ -280,7 +281,7 @@ class VllmServer:
       logf.write(f"\n=== opdjax: starting vLLM at {time.strftime('%F %T')}: {' '.join(self.command())}\n".encode())
       logf.flush()
       self._proc = children.popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                  start_new_session=True)
+                                  start_new_session=True, cpus=self.fork_cpus)
     atexit.register(self.stop)
     _STARTED.add(self)
     return self
