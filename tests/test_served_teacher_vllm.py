@@ -246,7 +246,7 @@ def fp32_teacher(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bf16_teacher(tiny, tmp_path_factory):
-  """A bf16 server started for K = 4 (its --max-logprobs is 4)."""
+  """A bf16 server started for K = 4 (its --max-logprobs is PROBE_K = 20: a teacher pre-flight's top-K)."""
   with ServedTeacher(helpers.vllm_config(dtype="bfloat16"), tiny[2], max_len=MAX_LEN, batch_size=4, topk=4,
                      vocab_size=V, out_dir=str(tmp_path_factory.mktemp("bf16"))) as t:
     yield t
@@ -317,8 +317,8 @@ def test_a_bf16_served_teacher_deviates_and_refuses_k_above_its_max_logprobs(tin
   assert delta.mean() < 0.1 * other.mean(), (delta.mean(), other.mean())
   print(f"bf16 mean deviation {delta.mean():.3f}, another model {other.mean():.2f}")
   url = bf16_teacher.urls[0]
-  with pytest.raises(UserError, match=rf"the teacher server at {url} allows 4 log-probs per position"
-                                      r" \(--max-logprobs\) but the teacher's top-K is 5") as e:
-    ServedTeacher(helpers.vllm_config(urls=url), "", max_len=MAX_LEN, batch_size=4, topk=5, vocab_size=V,
+  with pytest.raises(UserError, match=rf"the teacher server at {url} allows 20 log-probs per position"
+                                      r" \(--max-logprobs\) but the teacher's top-K is 21") as e:
+    ServedTeacher(helpers.vllm_config(urls=url), "", max_len=MAX_LEN, batch_size=4, topk=21, vocab_size=V,
                   out_dir="")
   assert "\n" not in str(e.value)

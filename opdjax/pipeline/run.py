@@ -150,7 +150,7 @@ def _resumable_changes(out_dir: str, old: dict, cfg: Config, early: bool = False
 
 
 def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallback: bool,
-           progress: bool, budget: float | None, command: str) -> TrainResult:
+           progress: bool, budget: float | None, command: str = "") -> TrainResult:
   cfg = session.cfg
   primary = session.placement.primary  # process 0 writes the run's files
   view, depth, guard_state = EngineView.parse(cfg.rollout.view), cfg.rollout.async_depth, None
