@@ -97,6 +97,19 @@ def _run(files, out, processes: int, extra=(), token: str | None = None) -> list
   return text
 
 
+def _budget(files, folder, value: float):
+  """A budget.json of `value` nats/token for the test student (its fingerprint), as `opdjax calibrate` writes."""
+  from opdjax.models.config import ModelConfig
+  from opdjax.models.hf_io import load_hf_params
+  from opdjax.pipeline.budget import BUDGET_FORMAT, params_fingerprint
+
+  student = load_hf_params(str(files / "student"), ModelConfig.from_pretrained(str(files / "student")))
+  path = folder / "budget.json"
+  path.write_text(json.dumps({"format": BUDGET_FORMAT, "budget": value, "student_fingerprint":
+                              params_fingerprint(student), "config": {"rollout": {}}}))
+  return path
+
+
 def _losses(out) -> list[float]:
   recs = [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
   return [r["loss"] for r in recs if "loss" in r]
@@ -139,17 +152,11 @@ def test_admit_teacher_admits_fp32_reports_bf16_and_refuses_a_wrong_replica(file
   trainer's fp32 teacher is rounding), the bf16 server's figure is reported beside the budget and is larger,
   and a replica serving another model's weights is refused, before anything is trained."""
   from opdjax import cli
-  from opdjax.models.config import ModelConfig
-  from opdjax.models.hf_io import load_hf_params
-  from opdjax.pipeline.budget import BUDGET_FORMAT, params_fingerprint
 
   url, token = teacher_url
   bf16, wrong = other_servers
   monkeypatch.setenv("OPDJAX_SIDECAR_TOKEN", token)
-  student = load_hf_params(str(files / "student"), ModelConfig.from_pretrained(str(files / "student")))
-  budget = tmp_path / "budget.json"
-  budget.write_text(json.dumps({"format": BUDGET_FORMAT, "budget": 1e-3, "student_fingerprint":
-                                params_fingerprint(student), "config": {"rollout": {}}}))
+  budget = _budget(files, tmp_path, 1e-3)
   base = ["admit", "--teacher", "--config", "configs/demo.py", f"--config.teacher.path={files / 'teacher'}",
           f"--config.student.path={files / 'student'}", "--config.teacher.serve=vllm", "--config.loss.kind=sampled_rkl",
           "--config.rollout.batch_size=8", "--config.task.num_eval=8", f"--config.train.budget={budget}"]
@@ -216,16 +223,10 @@ def test_teacher_preflight_refuses_before_anything_is_trained(files, teacher_url
   """teacher.preflight=true: the run's own pre-flight, before step 1; a budget below the fp32 server's rounding
   refuses it with the table printed and nothing trained."""
   from opdjax import cli
-  from opdjax.models.config import ModelConfig
-  from opdjax.models.hf_io import load_hf_params
-  from opdjax.pipeline.budget import BUDGET_FORMAT, params_fingerprint
 
   url, token = teacher_url
   monkeypatch.setenv("OPDJAX_SIDECAR_TOKEN", token)
-  student = load_hf_params(str(files / "student"), ModelConfig.from_pretrained(str(files / "student")))
-  budget = tmp_path / "budget.json"
-  budget.write_text(json.dumps({"format": BUDGET_FORMAT, "budget": 1e-15, "student_fingerprint":
-                                params_fingerprint(student), "config": {"rollout": {}}}))
+  budget = _budget(files, tmp_path, 1e-15)
   out = tmp_path / "run"
   rc = cli.main(["train", *_args(files, out, [f"--config.teacher.vllm.url={url}", "--config.teacher.preflight=true",
                                               f"--config.train.budget={budget}"])[1:]])

@@ -157,6 +157,11 @@ class RunCheckpointer:
   def latest_step(self) -> int | None:
     return self._latest.latest_step()
 
+  def settled(self) -> str:
+    """Waits for the pending saves; where the run is checkpointed now, as a sentence of a halt's message."""
+    self.wait()
+    return f"The run is checkpointed at step {self.latest_step()} in {self.directory}."
+
   def all_steps(self) -> list[int]:
     return list(self._latest.all_steps())
 

@@ -125,10 +125,7 @@ class GuardHook(Hook):
     if self.halted is None:
       return
     step, live = self.halted
-    where = ""
-    if self.ckpt is not None:
-      self.ckpt.wait()
-      where = f" The run is checkpointed at step {self.ckpt.latest_step()} in {self.ckpt.directory}."
+    where = "" if self.ckpt is None else " " + self.ckpt.settled()
     raise GuardHalt(f"mismatch guard: at step {step} the live mismatch {live:.4g} nats/token (mean of the last"
                     f" {self.window} steps' {METRIC}) exceeds the budget {self.budget:.4g} of {self.path}; halted."
                     f"{where} Lower the mismatch (rollout.view, rollout.async_depth), or use train.guard=backoff"

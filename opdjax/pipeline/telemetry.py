@@ -74,10 +74,7 @@ class LengthGuardHook(Hook):
     if self.halted is None:
       return
     step, share = self.halted
-    where = ""
-    if self.ckpt is not None:
-      self.ckpt.wait()
-      where = f" The run is checkpointed at step {self.ckpt.latest_step()} in {self.ckpt.directory}."
+    where = "" if self.ckpt is None else " " + self.ckpt.settled()
     raise LengthHalt(f"length guard: at step {step}, {share:.0%} of the last {self.window} steps' completions hit"
                      f" rollout.max_new_tokens without EOS (train.length_guard_threshold={self.threshold});"
                      f" halted.{where} The student's completions are growing to the cap (length inflation): look at"
