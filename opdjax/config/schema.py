@@ -78,6 +78,12 @@ class Config:
       except UserError as e:
         raise UserError(f"train.guard_view: {e}") from None
     self._check_teacher_placement()
+    r = self.rollout
+    if self.loss.student_logprobs == "rollout" and (r.temperature != 1.0 or 0 < r.top_k or r.top_p < 1.0):
+      raise UserError(f"loss.student_logprobs='rollout' takes the student's log-prob at T = 1 from the engine, which"
+                      f" samples at rollout.temperature={r.temperature:g}, top_k={r.top_k}, top_p={r.top_p:g}"
+                      " (another distribution): set rollout.temperature=1, top_k=0, top_p=1, or"
+                      " loss.student_logprobs='trainer'.")
     if self.teacher.preflight and not self.train.budget:
       raise UserError("teacher.preflight compares the served teacher's deviation with the run's mismatch budget: give"
                       " train.budget=PATH (a budget.json of `opdjax calibrate`), or leave teacher.preflight off.")

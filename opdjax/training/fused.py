@@ -56,9 +56,9 @@ def _fused_forward(h_s, w_s, teacher: dict, w_t, targets, rollout_lp, mask, cfg:
     ls = _logits(hs, w_s, dtype)
     if w_t is not None:  # the teacher's hidden states: its logits from its output matrix, chunk by chunk
       lt = _logits(t["hidden"], w_t, dtype)
-      terms_fn = lambda ls: per_token_terms(ls, lt, tgt, cfg, m)  # noqa: E731
+      terms_fn = lambda ls: per_token_terms(ls, lt, tgt, cfg, m, rlp)  # noqa: E731
     else:  # a served teacher's answer (served_terms)
-      terms_fn = lambda ls: served_terms(ls, t, tgt, cfg, m)  # noqa: E731
+      terms_fn = lambda ls: served_terms(ls, t, tgt, cfg, m, rlp)  # noqa: E731
     term, vjp_fn, terms = jax.vjp(lambda ls: _term_and_aux(terms_fn(ls)), ls, has_aux=True)
     lp_s = terms.pop("trainer_logprobs")  # the objective's: the student at T = 1
     lp_tr = lp_s if sampling is None else processed_logprobs(ls, tgt, sampling)

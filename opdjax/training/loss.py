@@ -13,7 +13,12 @@ the step reduces it with a masked mean `sum(m * w * term) / max(sum(m), 1)`.
   so E[b grad log p_s(y)] = 0); `student_term='exact'` samples only the teacher's
   half: a = log p_t(y) and the student's half E_y[log p_s(y) grad log p_s(y)] =
   grad sum_v p_s log p_s is taken over the whole vocabulary the trainer holds
-  (term = -sg(a - b) log p_s(y) + sum_v p_s log p_s).
+  (term = -sg(a - b) log p_s(y) + sum_v p_s log p_s). `student_logprobs` says where the
+  advantage's log p_s(y) comes from: `trainer` (the trainer's re-scoring: verl, slime) or
+  `rollout` (the engine's reported log-prob q(y), `rollout_logprobs`: a = log p_t(y) - log q(y),
+  the tinker cookbook's form, no student recompute for the signal). The gradient's log p_s(y) is
+  always the trainer's; with `rollout` the engine's mismatch enters what the student is taught,
+  not only which prefixes it sees (docs/objectives.md, "Where the student's log-prob comes from").
 - `full_rkl`: exact KL(p_s || p_t) = sum_v p_s (log p_s - log p_t) per position.
 - `topk_rkl`: the same over the top-k support S of the teacher (or student) plus
   one tail bucket holding the mass outside S for each side.
@@ -42,6 +47,7 @@ from opdjax.rollout.sampling import sampling_logprobs
 
 IS_MODES = ("none", "tis", "mis")
 BASELINES = ("none", "loo")
+STUDENT_LOGPROBS = ("trainer", "rollout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,7 @@ class LossConfig:
   is_threshold: float = 2.0
   baseline: str = "none"  # sampled_rkl: none | loo (the other rows' mean advantage at the same position)
   student_term: str = "sampled"  # sampled_rkl: sampled | exact (the student's half from its whole distribution)
+  student_logprobs: str = "trainer"  # sampled_rkl's advantage: trainer (re-scored) | rollout (the engine's q(y))
   chunk: int = 256  # sequence positions per chunk of [B, chunk, V] logits
 
   def __post_init__(self):
@@ -65,6 +72,13 @@ class LossConfig:
       raise UserError(f"loss.baseline={self.baseline!r}; choose one of {', '.join(BASELINES)}.")
     if self.student_term not in ("sampled", "exact"):
       raise UserError(f"loss.student_term={self.student_term!r}; choose 'sampled' or 'exact'.")
+    if self.student_logprobs not in STUDENT_LOGPROBS:
+      raise UserError(f"loss.student_logprobs={self.student_logprobs!r}; choose one of {', '.join(STUDENT_LOGPROBS)}.")
+    if self.student_logprobs == "rollout" and (self.kind != "sampled_rkl" or self.student_term != "sampled"):
+      raise UserError(f"loss.student_logprobs='rollout' puts the engine's log-prob of the sampled token into"
+                      f" sampled_rkl's advantage; loss.kind={self.kind!r} with loss.student_term="
+                      f"{self.student_term!r} has no such log-prob: use loss.kind='sampled_rkl' with"
+                      " loss.student_term='sampled', or loss.student_logprobs='trainer'.")
     if self.topk_support not in ("teacher", "student"):
       raise UserError(f"loss.topk_support={self.topk_support!r}; choose 'teacher' or 'student'.")
     if not 0.0 < self.jsd_beta < 1.0:
@@ -100,10 +114,14 @@ SERVED_KEYS = ("teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")
 TAIL_FLOOR = 1e-6
 
 
-def _sampled_rkl(logp_s, lp_s, lp_t, mask, cfg: LossConfig):
+def _sampled_rkl(logp_s, lp_s, lp_t, mask, cfg: LossConfig, lp_q=None):
   """The per-token term of `sampled_rkl` (module docstring): -sg(a - b) log p_s(y), with a = log p_t(y) -
-  log p_s(y), or a = log p_t(y) plus the exact -H(p_s) with `student_term='exact'`; b the `baseline`."""
-  a = jax.lax.stop_gradient(lp_t if cfg.student_term == "exact" else lp_t - lp_s)
+  log p_s(y), or a = log p_t(y) plus the exact -H(p_s) with `student_term='exact'`; b the `baseline`.
+  `lp_q`: the engine's log-prob of y, which replaces the trainer's in `a` with `student_logprobs='rollout'`."""
+  if cfg.student_logprobs == "rollout" and lp_q is None:
+    raise ValueError("loss.student_logprobs='rollout' needs the rollout's log-probs (rollout_lp)")
+  own = lp_q if cfg.student_logprobs == "rollout" else lp_s
+  a = jax.lax.stop_gradient(lp_t if cfg.student_term == "exact" else lp_t - own)
   if cfg.baseline == "loo":
     if mask is None:
       raise ValueError("loss.baseline='loo' needs the loss mask (the rows' tokens to average over)")
@@ -119,7 +137,7 @@ def loo_mean(x, mask):
   return (total - m * x) / jnp.maximum(count - m, 1.0)
 
 
-def served_terms(logits_s, teacher: dict, targets, cfg: LossConfig, mask=None) -> dict[str, jax.Array]:
+def served_terms(logits_s, teacher: dict, targets, cfg: LossConfig, mask=None, rollout_lp=None) -> dict[str, jax.Array]:
   """`per_token_terms` with a served teacher: `teacher` holds what its server returned per position
   (`teacher_logprobs`: the log-prob of the sampled target; for `topk_rkl` also `teacher_topk_ids` /
   `teacher_topk_logprobs`: its top-K, K = loss.topk). `sampled_rkl` is exact (it needs only the target's
@@ -134,7 +152,8 @@ def served_terms(logits_s, teacher: dict, targets, cfg: LossConfig, mask=None) -
   served = OBJECTIVES[cfg.kind].served
   if served is None:  # the config's check refuses this first (Config.check, teacher placements)
     raise UserError(refusal("served", cfg))
-  term = served(logp_s, lp_s, lp_t, teacher, mask, cfg)
+  term = (_sampled_rkl(logp_s, lp_s, lp_t, mask, cfg, rollout_lp) if cfg.student_logprobs == "rollout"
+          else served(logp_s, lp_s, lp_t, teacher, mask, cfg))
   entropy = -jnp.sum(jnp.exp(logp_s) * logp_s, axis=-1)
   return {"term": term, "reverse_kl": jax.lax.stop_gradient(lp_s - lp_t), "entropy": jax.lax.stop_gradient(entropy),
           "trainer_logprobs": lp_s, "teacher_logprobs": lp_t}
@@ -257,17 +276,19 @@ def placement_table() -> str:
   return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, width)).rstrip() for r in rows)
 
 
-def per_token_terms(logits_s, logits_t, targets, cfg: LossConfig, mask=None) -> dict[str, jax.Array]:
+def per_token_terms(logits_s, logits_t, targets, cfg: LossConfig, mask=None, rollout_lp=None) -> dict[str, jax.Array]:
   """Per-position objective term and diagnostics from `[..., V]` logits.
 
-  `logits_t` is treated as a constant (teacher); gradients flow through `logits_s`.
+  `logits_t` is treated as a constant (teacher); gradients flow through `logits_s`. `rollout_lp`: the
+  engine's log-prob of each target, which `loss.student_logprobs='rollout'` puts into the advantage.
   """
   logp_s = jax.nn.log_softmax(logits_s.astype(jnp.float32), axis=-1)
   logp_t = jax.lax.stop_gradient(jax.nn.log_softmax(logits_t.astype(jnp.float32), axis=-1))
   lp_s = jnp.take_along_axis(logp_s, targets[..., None], axis=-1)[..., 0]
   lp_t = jnp.take_along_axis(logp_t, targets[..., None], axis=-1)[..., 0]
   rkl = _kl(logp_s, logp_t)
-  term = OBJECTIVES[cfg.kind].term(logp_s, logp_t, lp_s, lp_t, rkl, mask, cfg)
+  term = (_sampled_rkl(logp_s, lp_s, lp_t, mask, cfg, rollout_lp) if cfg.student_logprobs == "rollout"
+          else OBJECTIVES[cfg.kind].term(logp_s, logp_t, lp_s, lp_t, rkl, mask, cfg))
   entropy = -jnp.sum(jnp.exp(logp_s) * logp_s, axis=-1)
   return {"term": term, "reverse_kl": jax.lax.stop_gradient(rkl), "entropy": jax.lax.stop_gradient(entropy),
           "trainer_logprobs": lp_s, "teacher_logprobs": lp_t}

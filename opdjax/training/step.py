@@ -125,6 +125,8 @@ def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teach
       # distribution, = kl_k1_tok): their difference is the bias the mismatch puts into it.
       "opd_signal_trainer": signal,
       "opd_signal_rollout": signal + mismatch["mismatch_kl_k1_tok"],
+      # The one sampled_rkl's advantage used (loss.student_logprobs): the form, recorded per step.
+      "opd_signal": signal + mismatch["mismatch_kl_k1_tok"] if loss_cfg.student_logprobs == "rollout" else signal,
       **mismatch,
   }
   return loss, metrics
