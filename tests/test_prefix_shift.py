@@ -171,8 +171,12 @@ def test_cli_writes_outputs(demo_cache, tmp_path, capsys):
   results = json.loads((out / "prefix_shift.json").read_text())
   assert set(results["views"]) == {"noise_sigma=0.1", "weights=fp8", "lag=2"}
   assert results["noise_floor"]["grad"]["rel_prefix_shift_shared"] == 0.0
+  # The same stream reproduces the clean samples: nothing diverges, no prefix shift; another seed diverges.
+  same = results["floor_same_seed"]
+  assert same["divergence"]["frac_diverged"] == 0.0 and same["grad"]["rel_prefix_shift"] == 0.0
+  assert results["noise_floor"]["divergence"]["frac_diverged"] > 0.5
   rows = (out / "prefix_shift.csv").read_text().splitlines()
-  assert len(rows) == 1 + 4 and rows[0].startswith("view,family,strength,frac_diverged")
+  assert len(rows) == 1 + 5 and rows[0].startswith("view,family,strength,frac_diverged")
 
 
 def test_lag_beyond_warmup_is_a_clear_error(demo_cache, tmp_path, capsys):

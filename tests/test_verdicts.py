@@ -173,9 +173,26 @@ def test_claim4_inconclusive_at_the_floor_or_with_one_replicate_or_a_failed_sani
 def test_claim4_inconclusive_when_tis_removed_error_has_an_interval_reaching_0():
   # noise clears the floor; raw - TIS is 0.5, -0.1, 0.6 over the replicates: mean > 0, interval reaching 0.
   v = V.prefix_shift_vs_floor([ps_view("noise", [0.50, 0.52, 0.55], [2.5, 2.4, 2.6], [2.0, 2.5, 2.0])], FLOOR)
-  assert v.outcome == "inconclusive" and "interval reaching 0 in noise" in v.reason, v.reason
+  assert v.outcome == "inconclusive" and "interval reaching 0 in each" in v.reason, v.reason
   lo, hi = v.evidence["views"][0]["tis_removed"][1:]
   assert v.evidence["views"][0]["clears_floor"] and lo <= 0 < hi
+
+
+def test_claim4_counts_a_view_against_the_same_seed_floor_not_unrelated_samples():
+  """The addition study's shape (2026-12-05): lag's part 0.63 [0.15, 1.12] under the unrelated-sample floor
+  0.95 [0.33, 1.57] counts against the same stream's floor (0: nothing diverges); the unrelated floor stays an
+  upper reference in the evidence. TIS's removal counts where its interval clears 0, one unclear view or not."""
+  floor = {"prefix_shift": [0.0, 0.0, 0.0], "unrelated": [0.7, 0.95, 1.2]}
+  views = [ps_view("lag=16", [0.45, 0.63, 0.81], [2.5, 2.4, 2.6], [0.9, 0.8, 1.0]),
+           ps_view("noise", [0.2, 0.25, 0.3], [2.5, 2.4, 2.6], [2.0, 2.5, 2.0])]
+  v = V.prefix_shift_vs_floor(views, floor)
+  assert v.outcome == "holds", v.reason
+  assert [r["clears_floor"] for r in v.evidence["views"]] == [True, True]
+  assert [r["above_unrelated"] for r in v.evidence["views"]] == [False, False]
+  assert "TIS removes error (interval above 0) in lag=16; unclear in noise" in v.reason
+  assert v.evidence["floor_kind"] == "same seed" and v.evidence["unrelated"][0] == pytest.approx(0.95)
+  old = V.prefix_shift_vs_floor(views, {"prefix_shift": floor["unrelated"]})  # the old rule's floor: nothing counts
+  assert old.outcome == "inconclusive" and not any(r["clears_floor"] for r in old.evidence["views"])
 
 
 def test_claim4_does_not_hold_when_tis_removes_nothing():

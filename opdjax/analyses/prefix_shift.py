@@ -22,8 +22,10 @@ It is zero on positions whose context is shared, i.e. up to the first divergence
 the same split restricted to those positions; `prefix_shift_shared` is exactly 0, tested).
 The loss values get the same split: each signal's value is `Σ coef (-1)`, the expectation of the
 sampled reverse-KL estimate `log p(y) - log t(y)` (for `clean`/`is_full`: the full-vocabulary
-KL(p || t) at those contexts). A noise floor, the clean engine against itself with another seed,
-shows the size of (ii) between unrelated samples.
+KL(p || t) at those contexts). Two floors: `floor_same_seed`, the clean engine against itself with the
+same seed and prompts (the same random stream: what a view's numbers are when the view changes nothing, so
+a view's divergence beyond it is caused by the view), and `noise_floor`, the clean engine with another
+seed, i.e. unrelated samples: the largest prefix shift the same policy produces, an upper reference.
 """
 
 from __future__ import annotations
@@ -269,6 +271,14 @@ def family(view: EngineView) -> tuple[str, float | str]:
   return "other", str(view)
 
 
+FLOORS = ("floor_same_seed", "noise_floor")
+
+
+def floor_jobs(seed: int) -> list[tuple[str, int]]:
+  """The floors' (name, engine seed) against a clean rollout drawn with `seed` (module doc)."""
+  return [("floor_same_seed", seed), ("noise_floor", seed + 1)]
+
+
 def run(cfg: Config, out_dir: str | None = None, progress: bool = True, replicates: int = 1) -> dict:
   """`replicates` > 1: the whole measurement (clean rollout, noise floor, every view) repeated with
   seeds `prefix_shift.seed + 1000 r` on the same prompts and warmed-up params; each replicate's
@@ -293,27 +303,27 @@ def run(cfg: Config, out_dir: str | None = None, progress: bool = True, replicat
                  "clean_tokens": clean.num_tokens},
       "views": {},
   }
-  # The noise floor: the clean engine with another seed, i.e. unrelated samples of the same policy.
-  jobs = [("noise_floor", EngineView(), pc.seed + 1)] + [(str(v), v, pc.seed) for v in views]
+  # The floors (module doc): the clean engine on the same stream, and with another seed (unrelated samples).
+  jobs = [(name, EngineView(), s) for name, s in floor_jobs(pc.seed)] + [(str(v), v, pc.seed) for v in views]
   for name, view, seed in progress_bar(jobs, desc="prefix-shift views", enabled=progress):
     vmodel, vparams = view.model(student), ps.view_params(view, history)
     m = ps.measure(clean, ps.rollout(vmodel, vparams, prompts, seed), vmodel, vparams, params, teacher_params)
-    fam, strength = family(view) if name != "noise_floor" else ("floor", 0.0)
+    fam, strength = family(view) if name not in FLOORS else ("floor", 0.0)
     row = {"view": name, "family": fam, "strength": strength, "divergence": m.divergence, "grad": m.grad,
            "value": m.value}
-    if name == "noise_floor":
-      results["noise_floor"] = row
+    if name in FLOORS:
+      results[name] = row
     else:
       results["views"][name] = row
   results["clean"] = {"grad_norm": results["noise_floor"]["grad"]["clean_norm"],
                       "reverse_kl": results["noise_floor"]["value"]["clean"]}
-  results["replicates"] = [{"seed": pc.seed, **{r["view"]: r["grad"] for r in (results["noise_floor"],
+  results["replicates"] = [{"seed": pc.seed, **{r["view"]: r["grad"] for r in (*(results[f] for f in FLOORS),
                                                                               *results["views"].values())}}]
   for r in range(1, replicates):
     seed = pc.seed + 1000 * r
     clean_r = ps.rollout(student, params, prompts, seed)
     rep = {"seed": seed}
-    for name, view, s in [("noise_floor", EngineView(), seed + 1)] + [(str(v), v, seed) for v in views]:
+    for name, view, s in [(f, EngineView(), fs) for f, fs in floor_jobs(seed)] + [(str(v), v, seed) for v in views]:
       vmodel, vparams = view.model(student), ps.view_params(view, history)
       rep[name] = ps.measure(clean_r, ps.rollout(vmodel, vparams, prompts, s), vmodel, vparams, params,
                              teacher_params).grad

@@ -21,7 +21,7 @@ CSV_COLUMNS = (["view", "family", "strength", "frac_diverged", "first_div_p10", 
 
 def _rows(results: dict) -> list[dict]:
   rows = []
-  for r in [results["noise_floor"], *results["views"].values()]:
+  for r in [*(results[f] for f in ("floor_same_seed", "noise_floor") if f in results), *results["views"].values()]:
     row = {"view": r["view"], "family": r["family"], "strength": r["strength"]}
     row.update({k: v for k, v in r["divergence"].items() if k not in ("first_div_hist", "num_sequences")})
     row.update({f"grad_{k}": v for k, v in r["grad"].items() if k != "clean_norm"})
