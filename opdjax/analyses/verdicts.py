@@ -204,7 +204,6 @@ def budget_bracket(points: list[dict], fit: dict, start: dict, runs: dict) -> Ve
   the calibration's fit (metrics, tolerance, clean_std, tolerance_sigmas, seeds, budget; and, from
   fits that record it, tolerance_set_by), `start`: the step-0 quality, `runs`: {used, budget,
   max_seeds (optional), ceiling (optional: the bracket's stated ceiling)} training runs."""
-  falsifier = FALSIFIER["1"]
   metrics, tol = fit["metrics"], fit["tolerance"]
   clean = next(p for p in points if p["view"] == "clean")
   gain = {m: clean_gain(clean, start, m) for m in metrics}
@@ -213,12 +212,24 @@ def budget_bracket(points: list[dict], fit: dict, start: dict, runs: dict) -> Ve
   for p in sorted((p for p in points if p["view"] != "clean"), key=lambda p: p["mismatch"]):
     loss = view_loss(p, clean, metrics)
     rows.append({"view": p["view"], "mismatch": p["mismatch"], "seeds": len(p[metrics[0]]),
-                 "loss": {m: list(v) for m, v in loss.items()},
-                 "pass": all(loss[m][0] <= tol[m] for m in metrics),
-                 "clear_fail": any(loss[m][1] > tol[m] for m in metrics)})
-  set_by = fit.get("tolerance_set_by", {})
-  ev = {"tolerance": tol, "tolerance_set_by": set_by, "clean_gain": gain, "seeds": fit["seeds"],
-        "seeds_needed": need, "runs": runs, "budget": fit["budget"], "views": rows}
+                 "loss": {m: list(v) for m, v in loss.items()}})
+  ev = {"tolerance": tol, "tolerance_set_by": fit.get("tolerance_set_by", {}), "clean_gain": gain,
+        "seeds": fit["seeds"], "seeds_needed": need, "runs": runs, "budget": fit["budget"], "views": rows}
+  return bracket_verdict(ev)
+
+
+def bracket_verdict(ev: dict) -> Verdict:
+  """Claim 1's decision from its evidence (`budget_bracket`'s: per view its quality-loss intervals, pass and
+  clear_fail; the tolerance, clean gain, seeds, seeds needed, runs and fitted budget): what `docs.py --check`
+  re-derives from a result file."""
+  falsifier = FALSIFIER["1"]
+  tol, gain, need, runs, rows = ev["tolerance"], ev["clean_gain"], ev["seeds_needed"], ev["runs"], ev["views"]
+  metrics = list(tol)
+  fit = {"seeds": ev["seeds"], "budget": ev["budget"]}
+  for r in rows:  # from the intervals (a stored JSON interval end of None is unbounded)
+    r["pass"] = all(r["loss"][m][0] <= tol[m] for m in metrics)
+    r["clear_fail"] = any(r["loss"][m][1] is not None and r["loss"][m][1] > tol[m] for m in metrics)
+  set_by = ev.get("tolerance_set_by") or {}
   source = (f"; tolerance set by the {' / '.join(sorted(set(set_by.values())))}" if set_by else "")
 
   def verdict(outcome, reason, label=""):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from opdjax.analyses import reporting
 
-from . import numbers
+from . import numbers, verdict_check
 from .common import ROOT, DocsError, collect_run, provenance
 from .registry import FIGURES
 
@@ -314,7 +314,7 @@ def check(root: str, demo_run: str | None = None) -> list[str]:
   errors += [f"docs/results/{n}.json: no page renders it (render it, or move it to docs/history.md and delete it)"
              for n in sorted(os.path.basename(f)[:-5] for f in glob.glob(result_path(root, "*")))
              if n not in rendered]
-  errors += numbers.check(root, doc_files(root)) + check_code_paths(root)
+  errors += numbers.check(root, doc_files(root)) + check_code_paths(root) + verdict_check.check(root)
   return errors + check_pngs(root)
 
 

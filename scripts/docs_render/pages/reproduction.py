@@ -4,6 +4,22 @@ import re
 
 from ..common import DocsError, Figure, _read_json
 
+# Result files whose recorded verdicts today's rules no longer all give (opdjax.analyses.rederive): their pages
+# show both words (`label`); docs.py --check fails on any other such file (scripts/docs_render/verdict_check.py).
+SUPERSEDED = {
+    "reproduction_smollm2": "claim 2 was recorded 'holds' on 2026-12-03 from 8 held-out prompts compared as points;"
+                            " today's rule needs at least 9 prompts with per-prompt KLs (an interval)",
+}
+
+
+def label(r: dict, num: str) -> str:
+  """Claim `num`'s label as a page shows it: the recorded one where today's rule on its evidence agrees."""
+  from opdjax.analyses.rederive import recorded, shown
+
+  res = r["result"]
+  c = res["claims"][num]
+  return shown(c, res["claims"], num, res.get("date", "")) if "evidence" in c else recorded(c)
+
 
 def reproduction_table(r: dict) -> str:
   """scripts/reproduce.py's verdicts, one row a claim, with the stage wall times."""
@@ -18,7 +34,7 @@ def reproduction_table(r: dict) -> str:
     c = res["claims"].get(num)
     wall = res["stages"].get(stage, {}).get("wall_s")
     # A verdict of the rules before opdjax.analyses.verdicts (no falsifier recorded) is not published.
-    verdict = ("not run" if not c else c.get("label", c["verdict"]) if "falsifier" in c else
+    verdict = ("not run" if not c else label(r, num) if "falsifier" in c else
                f"pending a re-run (the old rule said {c['verdict']})")
     lines.append(f"| {num}. {title} | {reproduce.STATEMENTS[num]} | {c['summary'] if c else 'not run'} |"
                  f" **{verdict}** | {FALSIFIERS[num]} | {wall if wall is not None else '-'} |")
@@ -91,7 +107,7 @@ def reproduction_summary(r: dict) -> str:
   res, by = r["result"], {}
   for num, _, _ in reproduce.CLAIMS:
     c = res["claims"].get(num)
-    by.setdefault(c.get("label", c["verdict"]) if c else "not run", []).append(num)
+    by.setdefault(label(r, num) if c else "not run", []).append(num)
   said = lambda nums: nums[0] if len(nums) == 1 else f"{', '.join(nums[:-1])} and {nums[-1]}"  # noqa: E731
   outcomes = "; ".join(f"claim{'s' * (len(n) > 1)} {said(n)} {'held' if o == 'holds' else o}" for o, n in by.items())
   minutes = sum(v["wall_s"] for v in res["stages"].values()) / 60

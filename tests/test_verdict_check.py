@@ -1,0 +1,82 @@
+"""`docs.py --check` re-derives every recorded verdict from the evidence in its result file with today's rule
+(opdjax.analyses.rederive, scripts/docs_render/verdict_check.py): a tampered verdict fails even with both digests
+recomputed, a stale one fails unless its page marks it superseded, and the page then shows both words."""
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+from opdjax.analyses import rederive, reporting
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("docs_script", os.path.join(ROOT, "scripts", "docs.py"))
+docs = sys.modules["docs_script"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(docs)
+from docs_render import verdict_check  # noqa: E402
+from docs_render.pages import reproduction as page  # noqa: E402
+
+
+def _copy(tmp_path):
+  for f in ("README.md", "BENCHMARKS.md"):
+    shutil.copy(os.path.join(ROOT, f), tmp_path / f)
+  shutil.copytree(os.path.join(ROOT, "docs"), tmp_path / "docs")
+  return tmp_path
+
+
+def _tamper(root, name, num, verdict):
+  """Claim `num`'s recorded verdict and label set to `verdict`, both digests recomputed (what a hand edit that
+  also re-signs the file gives)."""
+  path = root / "docs" / "results" / f"{name}.json"
+  r = json.loads(path.read_text())
+  c = r["result"]["claims"][num]
+  c["verdict"], c["label"] = verdict, verdict
+  r["result"].pop("digest")
+  r["result"]["digest"] = reporting.record_digest(r["result"])
+  r.pop("digest")
+  r["digest"] = reporting.record_digest(r)
+  path.write_text(json.dumps(r))
+
+
+def test_the_repositorys_verdicts_are_todays_rules_or_marked_superseded():
+  assert verdict_check.check(ROOT) == []
+  for name in page.SUPERSEDED:  # each marked file really is stale (the check refuses a stale mark too)
+    r = json.load(open(os.path.join(ROOT, "docs", "results", f"{name}.json")))
+    assert rederive.stale(r["result"]), name
+
+
+@pytest.mark.parametrize("num", ["1", "4"])
+def test_a_tampered_verdict_fails_naming_file_and_claim_even_with_the_digests_recomputed(tmp_path, num):
+  root = _copy(tmp_path)
+  r = json.load(open(root / "docs" / "results" / "reproduction_addition.json"))
+  other = "does not hold" if r["result"]["claims"][num]["verdict"] != "does not hold" else "holds"
+  _tamper(root, "reproduction_addition", num, other)
+  errors = verdict_check.check(str(root))
+  assert len(errors) == 1, errors
+  assert errors[0].startswith(f"docs/results/reproduction_addition.json: claim {num} records '{other}' where today's")
+
+
+def test_a_stale_verdict_fails_unless_marked_superseded_and_the_page_shows_both_words(tmp_path, monkeypatch):
+  name = next(iter(page.SUPERSEDED))
+  monkeypatch.setattr(page, "SUPERSEDED", {})
+  errors = verdict_check.check(ROOT)
+  assert errors and all(e.startswith(f"docs/results/{name}.json: claim ") for e in errors), errors
+  r = json.load(open(os.path.join(ROOT, "docs", "results", f"{name}.json")))
+  stale = rederive.stale(r["result"])
+  num, was, now = stale[0]
+  assert page.label(r, num) == f"superseded (recorded {was} on {r['result']['date'][:10]}; today's rule on its" \
+                               f" evidence: {now})"
+  monkeypatch.setattr(page, "SUPERSEDED", {"reproduction_addition": "no reason"})  # a file that is not stale
+  assert any("marked superseded, but today's rule gives every recorded verdict" in e
+             for e in verdict_check.check(ROOT))
+
+
+@pytest.mark.slow  # docs.py --check redraws the PNGs
+def test_docs_check_fails_on_a_tampered_verdict(tmp_path, capsys):
+  root = _copy(tmp_path)
+  _tamper(root, "reproduction_addition", "1", "holds")
+  assert docs.main(["--check", "--root", str(root)]) == 1
+  assert "docs/results/reproduction_addition.json: claim 1 records 'holds'" in capsys.readouterr().err
