@@ -1,11 +1,16 @@
 """Pilot: does CLEAN `sampled_rkl` learn reliably on the addition task, and at which settings?
 
   python bench/sampled_pilot.py --out DIR [--steps 400] [--seeds 3] [--grid NAME=lr:baseline:student_term,...]
-             [--views clean;noise_sigma=1.6] [--form trainer|rollout]
+             [--views clean;noise_sigma=1.6] [--form trainer|rollout] [--config configs/smollm2_study.py]
 
-Each grid point: one Session (the demo config with loss.kind=sampled_rkl and the point's settings), `--seeds`
-runs per view (the loop `opdjax train` runs, as calibration does). Writes DIR/pilot.json (per point and view:
-final held-out reverse KL and accuracy per seed, the step-0 quality, wall seconds, load) after every point.
+SmolLM2's learn check for the sampled objective (the first run that decides its claim 1, docs/reproduction.md):
+  python bench/sampled_pilot.py --config configs/smollm2_study.py --steps 10 --seeds 2 \
+      --grid lr1.5e-5_loo=1.5e-5:loo:sampled,lr5e-5_loo=5e-5:loo:sampled --out DIR
+
+Each grid point: one Session (the demo config, or --config's, with loss.kind=sampled_rkl and the point's
+settings), `--seeds` runs per view (the loop `opdjax train` runs, as calibration does). Writes DIR/pilot.json
+(per point and view: the final held-out reverse KL, accuracy and teacher-side measures (teacher_nll,
+teacher_f1) per seed, the step-0 quality, wall seconds, load) after every point.
 """
 
 from __future__ import annotations
@@ -19,6 +24,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+QUALITY = ("reverse_kl", "accuracy", "teacher_nll", "teacher_f1")
+
+
+def quality(rec: dict) -> dict:
+  return {k: rec[k] for k in QUALITY if k in rec}
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", required=True)
@@ -29,9 +41,11 @@ def main(argv=None) -> int:
   ap.add_argument("--views", default="clean")
   ap.add_argument("--form", default="trainer")
   ap.add_argument("--kind", default="sampled_rkl")
+  ap.add_argument("--config", default="", help="a configs/*.py (default: the demo's)")
   args = ap.parse_args(argv)
-  from opdjax.analyses.sweep import final_quality, sweep_config, train_run
+  from opdjax.analyses.sweep import sweep_config, train_run
   from opdjax.config.defaults import default_config
+  from opdjax.config.loader import load_config_file
   from opdjax.config.schema import build
   from opdjax.pipeline.session import Session
   from opdjax.views.view import EngineView
@@ -44,7 +58,7 @@ def main(argv=None) -> int:
     lr, baseline, term = spec.split(":")
     if name in res and res[name].get("done"):
       continue
-    c = default_config().to_dict()
+    c = (load_config_file(args.config) if args.config else default_config()).to_dict()
     c["loss"].update(kind=args.kind, baseline=baseline, student_term=term)
     if args.form != "trainer":
       c["loss"]["student_logprobs"] = args.form
@@ -54,13 +68,13 @@ def main(argv=None) -> int:
     session = Session(cfg, progress=False)
     point = {"lr": float(lr), "baseline": baseline, "student_term": term, "form": args.form, "views": {}}
     for v in args.views.split(";"):
-      row = {"reverse_kl": [], "accuracy": []}
+      row = {k: [] for k in QUALITY}
       for s in range(args.seeds):
         recs = train_run(session, EngineView.parse(v), seed=s)
-        row["start"] = final_quality(recs[:1])
-        for k, x in final_quality(recs).items():
+        row["start"] = quality(recs[0])
+        for k, x in quality(recs[-1]).items():
           row[k].append(x)
-        print(name, v, s, final_quality(recs), flush=True)
+        print(name, v, s, quality(recs[-1]), flush=True)
       point["views"][v] = row
     session.close()
     point.update(done=True, wall_s=round(time.time() - t0, 1), load=[round(load0, 2), round(os.getloadavg()[0], 2)])

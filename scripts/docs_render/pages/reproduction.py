@@ -21,6 +21,64 @@ def label(r: dict, num: str) -> str:
   return shown(c, res["claims"], num, res.get("date", "")) if "evidence" in c else recorded(c)
 
 
+def _claim1_number(ev: dict) -> str:
+  """Claim 1's bracket in numbers: the largest passing view below the first clear failure, and that failure."""
+  rows = ev["views"]
+  fails = [v for v in rows if v["clear_fail"]]
+  if not fails:
+    top = max(rows, key=lambda v: v["mismatch"])
+    return f"no clear failure up to `{top['view']}` (mismatch {top['mismatch']:.3g}); budget {ev['budget']:.3g}"
+  below = [v for v in rows if v["pass"] and v["mismatch"] < fails[0]["mismatch"]]
+  passes = (f"passes at `{below[-1]['view']}` (mismatch {below[-1]['mismatch']:.3g}), " if below else
+            "no view passes below it, ")
+  return f"{passes}fails clearly at `{fails[0]['view']}` (mismatch {fails[0]['mismatch']:.3g})"
+
+
+def _number(num: str, c: dict) -> str:
+  """The number behind a claim's verdict, from its evidence."""
+  ev = c["evidence"]
+  if num == "1":
+    return _claim1_number(ev)
+  if num == "2":
+    d, n = ev.get("difference"), ev.get("heldout_prompts") or (ev.get("heldout") or {}).get("num_prompts", 0)
+    if not d:
+      return f"{n} held-out prompts, no per-prompt interval"
+    return f"recipe - edge KL {d[0]:.3g} {_ci(d)} over {n} held-out prompts"
+  if num == "4":
+    counted = [v for v in ev["views"] if v["clears_floor"]]
+    removes = [v["view"] for v in counted if v.get("tis_removes", v["tis_removed"][1] > 0)]
+    kind = ev.get("floor_kind", "another seed").replace(" ", "-")
+    return (f"{len(counted)} of {len(ev['views'])} views above the {kind} floor"
+            f" ({ev['floor'][2]:.3g}); TIS removes error in {len(removes)} of them")
+  n = ev["total"]
+  return (f"agree {ev['agree']}/{n} vs accept-all {ev['accept_all']}/{n}, reject-all {ev['reject_all']}/{n};"
+          f" false accepts {len(ev['false_accepts'])}")
+
+
+def reproduction_findings(r: dict) -> str:
+  """The findings table's rows of one task: per claim (claim 1 per objective form) the verdict as today's rule
+  derives it, the number behind it and the command."""
+  import reproduce  # scripts/ (no jax import)
+
+  from opdjax.analyses.rederive import shown
+
+  res = r["result"]
+  task, cmd = res["task"], "`" + re.sub(r"--out \S+", "--out DIR", res["command"]) + "`"
+  rows = []
+  for num, _, title in reproduce.CLAIMS:
+    c = res["claims"].get(num)
+    if not c or "evidence" not in c:
+      rows.append(f"| {num}. {title} | {task} | not run | - | {cmd} |")
+      continue
+    form = f" ({c['form']})" if num == "1" and c.get("form") else ""
+    rows.append(f"| {num}. {title}{form} | {task} | **{label(r, num)}** | {_number(num, c)} | {cmd} |")
+    if num == "1":
+      for name, f in res.get("forms", {}).items():
+        rows.append(f"| 1. {title} ({f['form']}) | {task} | **{shown(f, res['claims'], '1', res['date'])}** |"
+                    f" {_number('1', f)} | {cmd} (stage `forms`, `{name}`) |")
+  return "\n".join(rows)
+
+
 def reproduction_table(r: dict) -> str:
   """scripts/reproduce.py's verdicts, one row a claim, with the stage wall times."""
   import reproduce  # scripts/ (no jax import)
@@ -286,7 +344,8 @@ FIGURES: dict[str, Figure] = {
     "reproduction_addition": Figure(("python scripts/reproduce.py --task addition --out {out}",),
                                     _read_json("reproduction.json"),
                                     {"table": reproduction_table, "evidence": reproduction_evidence,
-                                     "power": repro_power, "ladder": repro_ladder, "chance": repro_chance,
+                                     "findings": reproduction_findings, "power": repro_power, "ladder": repro_ladder,
+                                     "chance": repro_chance,
                                      "admission": repro_admission, "noise_candidates": repro_noise_candidates,
                                      "tolerance_share": repro_tolerance_share, "prefix_floor": repro_prefix_floor,
                                      "tis_removes": repro_tis_removes, "recipe": repro_recipe, "cost": repro_cost}),
