@@ -86,9 +86,11 @@ BUDGETS = {
                          "sensitivity.formats": "fp8_e4m3", "sensitivity.noise_sigma": 0.0,
                          "prefix_shift.views": "noise_sigma=0.3;lag=2", "prefix_shift.warmup_steps": 2,
                          "prefix_shift.num_prompts": 16, **SAMPLED_STUDY},
+    # SmolLM2: claim 1 on the sampled objective at the config's learning rate (loo baseline; whether its clean
+    # runs learn there is bench/sampled_pilot.py's SmolLM2 learn check, docs/reproduction.md).
     ("smollm2", False): {"task.path": "builtin:chat_instructions_sweep", "task.num_eval": 32,
                          "sensitivity.model": "student", "sensitivity.num_prompts": 16,  # claim 2: > 8 held out
-                         "prefix_shift.num_prompts": 12},
+                         "prefix_shift.num_prompts": 12, "loss.kind": "sampled_rkl", "loss.baseline": "loo"},
     ("smollm2", True): {"task.path": "builtin:chat_instructions_sweep", "task.num_eval": 8, "rollout.batch_size": 4,
                         "rollout.max_new_tokens": 8,
                         "calibrate.views": "clean;noise_sigma=0.2;weights=fp8", "calibrate.steps": 1,
