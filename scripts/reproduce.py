@@ -239,6 +239,7 @@ def stage_calibrate(cfg, out: str, extra_views: int, run_budget: int, folder: st
     runs["ceiling"] = f"noise_sigma={side['ceiling']['noise_sigma']:g}"
   v = verdicts.budget_bracket(budget["points"], fit, budget["start"], runs)
   points = [{"view": p["view"], "mismatch": p["mismatch"], "ci": p["mismatch_ci"], "pass": p["pass"],
+             "seeds": len(p[fit["metrics"][0]]),
              **{f"{m}_median": float(np.median(p[m])) for m in fit["metrics"]}} for p in budget["points"]]
   return _claim(v, budget=budget["budget"], converged=budget["warning"] is None, warning=budget["warning"],
                 monotone=fit["monotone"], smallest_failing_mismatch=fit["smallest_failing_mismatch"],

@@ -33,7 +33,15 @@ def test_addition_quick_end_to_end(demo_cache, tmp_path, reproduce, capsys):
       assert field in claim, (num, field)
     for png in claim["pngs"]:
       assert (out / png).stat().st_size > 0, png
-  assert set(result["stages"]) == {"calibrate", "sensitivity", "admission", "prefix_shift"}
+  assert set(result["stages"]) == {"calibrate", "sensitivity", "admission", "prefix_shift", "forms"}
+  # Claim 1 on the sampled objective with the trainer's log-probs; the contrast forms beside it, each its own
+  # calibration folder and verdict by the same rule.
+  assert result["claims"]["1"]["form"].startswith("sampled_rkl (student log-probs: trainer")
+  assert set(result["forms"]) == {"engine_logprobs", "full_rkl"}
+  for name, f in result["forms"].items():
+    assert f["verdict"] in reproduce.VERDICTS and f["evidence"]["views"] and f["overrides"], name
+    assert (out / f"calibration_{name}" / "budget.json").stat().st_size > 0
+  assert result["forms"]["engine_logprobs"]["form"].startswith("sampled_rkl, advantage from the engine's")
   assert all(s["wall_s"] > 0 for s in result["stages"].values())
   # Two quick steps cannot learn: the forced budget says so, and claim 1 is not called either way.
   c1 = result["claims"]["1"]
@@ -60,7 +68,8 @@ def test_addition_quick_end_to_end(demo_cache, tmp_path, reproduce, capsys):
   c4 = result["claims"]["4"]
   assert c4["prefix_shift_zero_when_shared"] and len(c4["views"]) == 2 and c4["replicates"] == 2
   assert all(len(v["prefix_shift"]) == 2 for v in c4["views"]) and len(c4["noise_floor"]["prefix_shift"]) == 2
-  assert c4["evidence"]["replicates"] == 2
+  assert c4["evidence"]["replicates"] == 2 and c4["evidence"]["floor_kind"] == "same seed"
+  assert c4["noise_floor"]["prefix_shift"] == [0.0, 0.0]  # the same stream: the view alone is above it
   # FP8 KV with one layer's KV in bf16: 2L/(L+1) the bf16 tokens (the tiny weights barely count).
   c2 = result["claims"]["2"]
   n = c2["num_layers"]

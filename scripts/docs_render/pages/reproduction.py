@@ -64,7 +64,8 @@ def reproduction_findings(r: dict) -> str:
 
   res = r["result"]
   task, cmd = res["task"], "`" + re.sub(r"--out \S+", "--out DIR", res["command"]) + "`"
-  rows = []
+  rows = ["| claim (objective) | task | verdict (today's rule) | the number behind it | command |",
+          "| --- | --- | --- | --- | --- |"]
   for num, _, title in reproduce.CLAIMS:
     c = res["claims"].get(num)
     if not c or "evidence" not in c:
@@ -107,25 +108,34 @@ def _ci(x) -> str:
   return f"[{'-inf' if lo is None else f'{lo:.3g}'}, {'inf' if hi is None else f'{hi:.3g}'}]"
 
 
+def _claim1_evidence(title: str, c: dict) -> list[str]:
+  ev = c["evidence"]
+  power = c.get("power", {})
+  tol = ", ".join(f"{m} {v:.3g}" for m, v in ev["tolerance"].items())
+  gain = ", ".join(f"{m} {v:.3g}" for m, v in ev["clean_gain"].items())
+  need = ", ".join(f"{m} {v}" for m, v in ev["seeds_needed"].items())
+  clean = next((p for p in c.get("points", []) if p["view"] == "clean"), None)
+  seeds = f" (clean {clean['seeds']})" if clean and "seeds" in clean else ""
+  out = [f"- **{title}** ({c['label']}): {ev['seeds']} seeds a view{seeds} (pilot {power.get('pilot_seeds', '-')};"
+         f" needed by the clean spread: {need}; at most {ev['runs'].get('max_seeds', '-')} from the run budget of"
+         f" {ev['runs']['budget']}, {ev['runs']['used']} runs used); clean gain over the start {gain};"
+         f" tolerance {tol}. Quality loss against clean (median, 95% Welch interval) by mismatch:"]
+  for v in ev["views"]:
+    loss = "; ".join(f"{m} {x[0]:+.3g} {_ci(x)}" for m, x in v["loss"].items())
+    mark = "clear fail" if v["clear_fail"] else "pass" if v["pass"] else "median fails"
+    out.append(f"  - `{v['view']}` mismatch {v['mismatch']:.3g}, {v['seeds']} seeds: {loss} ({mark})")
+  return out
+
+
 def reproduction_evidence(r: dict) -> str:
   """The numbers each verdict rule used (opdjax.analyses.verdicts' `evidence`), one list item a claim."""
   claims = r["result"]["claims"]
   out = []
   c = claims.get("1")
   if c and "evidence" in c:
-    ev = c["evidence"]
-    power = c.get("power", {})
-    tol = ", ".join(f"{m} {v:.3g}" for m, v in ev["tolerance"].items())
-    gain = ", ".join(f"{m} {v:.3g}" for m, v in ev["clean_gain"].items())
-    need = ", ".join(f"{m} {v}" for m, v in ev["seeds_needed"].items())
-    out.append(f"- **Claim 1** ({c['label']}): {ev['seeds']} seeds a view (pilot {power.get('pilot_seeds', '-')};"
-               f" needed by the clean spread: {need}; at most {ev['runs'].get('max_seeds', '-')} from the run budget of"
-               f" {ev['runs']['budget']}, {ev['runs']['used']} runs used); clean gain over the start {gain};"
-               f" tolerance {tol}. Quality loss against clean (median, 95% Welch interval) by mismatch:")
-    for v in ev["views"]:
-      loss = "; ".join(f"{m} {x[0]:+.3g} {_ci(x)}" for m, x in v["loss"].items())
-      mark = "clear fail" if v["clear_fail"] else "pass" if v["pass"] else "median fails"
-      out.append(f"  - `{v['view']}` mismatch {v['mismatch']:.3g}: {loss} ({mark})")
+    out += _claim1_evidence("Claim 1", c)
+    for name, f in r["result"].get("forms", {}).items():
+      out += _claim1_evidence(f"Claim 1, contrast `{name}` ({f['form']})", f)
   c = claims.get("2")
   if c and "evidence" in c:
     ev = c["evidence"]
