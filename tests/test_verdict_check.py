@@ -60,16 +60,20 @@ def test_a_tampered_verdict_fails_naming_file_and_claim_even_with_the_digests_re
 
 
 def test_a_stale_verdict_fails_unless_marked_superseded_and_the_page_shows_both_words(tmp_path, monkeypatch):
-  name = next(iter(page.SUPERSEDED))
+  """A recorded verdict a changed rule no longer gives (here: a recorded label edited, which is what a rule
+  change looks like from the file's side) fails until its page marks the file superseded; the page then
+  shows both words, and a mark on a file that is not stale fails too."""
+  root = _copy(tmp_path)
+  _tamper(root, "reproduction_addition", "4", "does not hold")
   monkeypatch.setattr(page, "SUPERSEDED", {})
-  errors = verdict_check.check(ROOT)
-  assert errors and all(e.startswith(f"docs/results/{name}.json: claim ") for e in errors), errors
-  r = json.load(open(os.path.join(ROOT, "docs", "results", f"{name}.json")))
-  stale = rederive.stale(r["result"])
-  num, was, now = stale[0]
-  assert page.label(r, num) == f"superseded (recorded {was} on {r['result']['date'][:10]}; today's rule on its" \
+  assert verdict_check.check(str(root))
+  monkeypatch.setattr(page, "SUPERSEDED", {"reproduction_addition": "the claim 4 rule changed"})
+  assert verdict_check.check(str(root)) == []
+  r = json.load(open(root / "docs" / "results" / "reproduction_addition.json"))
+  (num, was, now), = rederive.stale(r["result"])
+  assert num == "4" and was == "does not hold" and now != was
+  assert page.label(r, num) == f"superseded (recorded does not hold on {r['result']['date'][:10]}; today's rule on its" \
                                f" evidence: {now})"
-  monkeypatch.setattr(page, "SUPERSEDED", {"reproduction_addition": "no reason"})  # a file that is not stale
   assert any("marked superseded, but today's rule gives every recorded verdict" in e
              for e in verdict_check.check(ROOT))
 

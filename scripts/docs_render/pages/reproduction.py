@@ -6,10 +6,7 @@ from ..common import DocsError, Figure, _read_json
 
 # Result files whose recorded verdicts today's rules no longer all give (opdjax.analyses.rederive): their pages
 # show both words (`label`); docs.py --check fails on any other such file (scripts/docs_render/verdict_check.py).
-SUPERSEDED = {
-    "reproduction_smollm2": "claim 2 was recorded 'holds' on 2026-12-03 from 8 held-out prompts compared as points;"
-                            " today's rule needs at least 9 prompts with per-prompt KLs (an interval)",
-}
+SUPERSEDED: dict[str, str] = {}
 
 
 def label(r: dict, num: str) -> str:
@@ -349,8 +346,8 @@ FIGURES: dict[str, Figure] = {
     "reproduction_smollm2": Figure(("python scripts/reproduce.py --task smollm2 --out {out}",),
                                    _read_json("reproduction.json"),
                                    {"table": reproduction_table, "evidence": reproduction_evidence,
-                                    "summary": reproduction_summary, "heldout": repro_heldout, "margin": repro_margin,
-                                    "cost": repro_cost}),
+                                    "summary": reproduction_summary, "findings": reproduction_findings,
+                                    "heldout": repro_heldout, "margin": repro_margin, "cost": repro_cost}),
     "reproduction_addition": Figure(("python scripts/reproduce.py --task addition --out {out}",),
                                     _read_json("reproduction.json"),
                                     {"table": reproduction_table, "evidence": reproduction_evidence,
