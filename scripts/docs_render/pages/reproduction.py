@@ -77,6 +77,32 @@ def reproduction_findings(r: dict) -> str:
   return "\n".join(rows)
 
 
+def _form_line(name: str, c: dict) -> str:
+  """One objective form's bracket: its clear failure with the reverse-KL loss there, or how far none came."""
+  ev = c["evidence"]
+  fails = [v for v in ev["views"] if v["clear_fail"]]
+  if not fails:
+    top = max(ev["views"], key=lambda v: v["mismatch"])
+    return f"{name}: no clear failure up to `{top['view']}` (mismatch {top['mismatch']:.3g})"
+  f = fails[0]
+  loss = f["loss"]["reverse_kl"]
+  below = [v for v in ev["views"] if v["mismatch"] < f["mismatch"] and not v["pass"]]
+  names = _and(["`" + b["view"] + "`" for b in below]) if below else ""
+  mms = _and([format(b["mismatch"], ".2g") for b in below]) if below else ""
+  early = (f", and {names} (mismatch {mms}) already fail{'s' * (len(below) == 1)} on the median" if below else "")
+  return (f"{name}: fails clearly at `{f['view']}` (mismatch {f['mismatch']:.3g}, reverse KL {loss[0]:+.3g}"
+          f" {_ci(loss)} against clean){early}")
+
+
+def repro_objectives(r: dict) -> str:
+  """What the objective does to the bracket: claim 1's form and each contrast form, side by side."""
+  res = r["result"]
+  lines = [_form_line("sampled_rkl, the trainer's log-probs (claim 1)", res["claims"]["1"])]
+  names = {"engine_logprobs": "sampled_rkl, the engine's log-probs", "full_rkl": "full_rkl"}
+  lines += [_form_line(names.get(n, n), f) for n, f in res.get("forms", {}).items()]
+  return "; ".join(lines)
+
+
 def reproduction_table(r: dict) -> str:
   """scripts/reproduce.py's verdicts, one row a claim, with the stage wall times."""
   import reproduce  # scripts/ (no jax import)
@@ -351,7 +377,8 @@ FIGURES: dict[str, Figure] = {
     "reproduction_addition": Figure(("python scripts/reproduce.py --task addition --out {out}",),
                                     _read_json("reproduction.json"),
                                     {"table": reproduction_table, "evidence": reproduction_evidence,
-                                     "findings": reproduction_findings, "power": repro_power, "ladder": repro_ladder,
+                                     "findings": reproduction_findings, "objectives": repro_objectives,
+                                     "power": repro_power, "ladder": repro_ladder,
                                      "chance": repro_chance,
                                      "admission": repro_admission, "noise_candidates": repro_noise_candidates,
                                      "tolerance_share": repro_tolerance_share, "prefix_floor": repro_prefix_floor,
