@@ -72,8 +72,8 @@ def test_a_stale_verdict_fails_unless_marked_superseded_and_the_page_shows_both_
   r = json.load(open(root / "docs" / "results" / "reproduction_addition.json"))
   (num, was, now), = rederive.stale(r["result"])
   assert num == "4" and was == "does not hold" and now != was
-  assert page.label(r, num) == f"superseded (recorded does not hold on {r['result']['date'][:10]}; today's rule on its" \
-                               f" evidence: {now})"
+  date = r["result"]["date"][:10]
+  assert page.label(r, num) == f"superseded (recorded does not hold on {date}; today's rule on its evidence: {now})"
   assert any("marked superseded, but today's rule gives every recorded verdict" in e
              for e in verdict_check.check(ROOT))
 

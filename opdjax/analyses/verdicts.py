@@ -224,8 +224,7 @@ def bracket_verdict(ev: dict) -> Verdict:
   re-derives from a result file."""
   falsifier = FALSIFIER["1"]
   tol, gain, need, runs, rows = ev["tolerance"], ev["clean_gain"], ev["seeds_needed"], ev["runs"], ev["views"]
-  metrics = list(tol)
-  fit = {"seeds": ev["seeds"], "budget": ev["budget"]}
+  metrics, fit = list(tol), {"seeds": ev["seeds"], "budget": ev["budget"]}
   for r in rows:  # from the intervals (a stored JSON interval end of None is unbounded)
     r["pass"] = all(r["loss"][m][0] <= tol[m] for m in metrics)
     r["clear_fail"] = any(r["loss"][m][1] is not None and r["loss"][m][1] > tol[m] for m in metrics)
