@@ -302,6 +302,9 @@ def main(argv=None) -> int:
   if a.action == "down":
     down(a.dir)
     return 0
+  if not os.path.exists(os.path.join(a.dir, STATE)):
+    print(f"no cluster in {a.dir} (none is up, or `down` ended it)")
+    return 0 if a.action == "status" else 2
   state = load(a.dir)
   if a.action == "status":
     left = leftovers(state)
