@@ -308,8 +308,8 @@ def test_a_sidecar_beyond_loopback_answers_another_host_401_without_the_token(cl
                          "--config.rollout.batch_size=8", "--config.task.num_eval=8"], cwd=ROOT, env=env,
                         capture_output=True, text=True, check=True).stdout
   srun = subprocess.Popen([sys.executable, CLUSTER, "run", cluster.dir, "ctl", "--", "srun", "-N1", "-w", "n2",
-                           "-J", "sidecar", *shlex.split(line)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                          stderr=open(tmp_path / "srun.log", "w"))
+                           "-J", "sidecar", *shlex.split(line)], cwd=ROOT, env=env,
+                          stdout=open(tmp_path / "srun.log", "w"), stderr=subprocess.STDOUT)
   try:
     def status(node, auth=True):
       header = ["-H", f"Authorization: Bearer {token}"] if auth else []
