@@ -77,9 +77,13 @@ def train(args, overrides) -> int:
     return 0
   from opdjax.api import train as api_train
 
-  result = api_train(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback,
-                     overwrite=args.overwrite, command=shlex.join(["opdjax", *getattr(args, "argv_", ["train"])])
-                     ).result  # the Python API's function: one path for both
+  try:
+    result = api_train(cfg, args.out, resume="require" if args.resume else "auto", fallback=args.resume_fallback,
+                       overwrite=args.overwrite, command=shlex.join(["opdjax", *getattr(args, "argv_", ["train"])])
+                       ).result  # the Python API's function: one path for both
+  except Exception:
+    distributed.grace_for_lost_peer()  # a dead peer, not the collective it broke, is the one line the user sees
+    raise
   distributed.finish()
   print(result.summary())
   if result.final_step == result.start_step:

@@ -283,7 +283,8 @@ def pytest_configure(config):
 # The files that take longest in the full suite, slowest first (idle 2-core box, pytest --durations=0):
 # they run first, so that pytest-xdist's workers, which take whole files in this order, end together
 # (the short files fill in last) instead of one worker starting a four-minute file at the end.
-SLOWEST_FILES = ("test_served_teacher.py", "test_served_teacher_vllm.py", "test_async_multi.py", "test_weight_sync.py",
+SLOWEST_FILES = ("test_slurm.py", "test_served_teacher.py", "test_served_teacher_vllm.py", "test_async_multi.py",
+                 "test_weight_sync.py",
                  "test_parallel.py", "test_vllm.py",
                  "test_pipeline.py", "test_vllm_multi.py", "test_mismatch.py", "test_reproduce.py",
                  "test_async_mesh.py", "test_train_hf.py", "test_train.py", "test_vllm_auth.py", "test_cpus.py",
@@ -300,7 +301,8 @@ SESSION_SERVER_FILES = ("test_vllm.py", "test_vllm_multi.py", "test_vllm_auth.py
 # 23 GiB box held 5-6 servers at once, ran out of memory (a worker died) and took 49 min.
 SERVER_HEAVY_FILES = ("test_served_teacher.py", "test_served_teacher_vllm.py")
 
-UNITS = {**dict.fromkeys(SESSION_SERVER_FILES, "the session's vLLM server"),
+# The real SLURM cluster's file (scripts/slurm_cluster.py): one cluster and its vLLM servers for the file's tests.
+UNITS = {"test_slurm.py": "the SLURM cluster", **dict.fromkeys(SESSION_SERVER_FILES, "the session's vLLM server"),
          **dict.fromkeys(SERVER_HEAVY_FILES, "the served teachers' servers")}
 
 

@@ -134,7 +134,8 @@ def test_two_processes_two_servers_async_with_the_guard_survive_a_sigkill_and_re
   assert rc1 == -9, logs[1].read_text()[-3000:]
   assert rc0 == 3 and t0 - t1 < 30, (rc0, t0 - t1, text0[-3000:])
   errors = [line for line in text0.splitlines() if line.startswith("opdjax: error:")]
-  assert len(errors) == 1 and errors[0].startswith("opdjax: error: process 1 of 2 stopped"), errors  # one clear line
+  lost = f"opdjax: error: process 1 of 2 on host {socket.gethostname()} stopped"  # one clear line, naming the host
+  assert len(errors) == 1 and errors[0].startswith(lost), errors  # one clear line
   assert "Traceback" not in text0, text0[-3000:]
   pids = _server_pids(out)
   assert len(pids) == 2, pids

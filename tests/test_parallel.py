@@ -368,8 +368,8 @@ def test_a_killed_process_stops_the_other_and_the_last_checkpoint_restores(demo_
   assert rc0 == 3, (rc0, procs.log(0)[-3000:])
   # No hang: the watchdog saw process 1's connection drop (the kernel closes it at the SIGKILL) and
   # stopped process 0, rather than a collective waiting for process 1 until some timeout.
-  assert ("opdjax: error: process 1 of 2 stopped; this process (process 0) stops too instead of waiting for it"
-          in procs.log(0)), procs.log(0)[-3000:]
+  assert (f"opdjax: error: process 1 of 2 on host {socket.gethostname()} stopped; this process (process 0) stops too"
+          " instead of waiting for it" in procs.log(0)), procs.log(0)[-3000:]
   done = sorted(int(d) for d in os.listdir(out / "checkpoints" / "latest") if d.isdigit())
   assert done and done[-1] < 4
   p = cli_train(out, "--config.train.steps=6", "--config.train.checkpoint_every=1", "--config.mesh.fsdp=4", devices=4)

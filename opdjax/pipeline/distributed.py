@@ -21,6 +21,7 @@ import select
 import socket
 import sys
 import threading
+import time
 import zlib
 
 import jax
@@ -31,6 +32,7 @@ from opdjax.errors import UserError
 HEARTBEAT_S = 30  # JAX declares a silent process dead after this long (and aborts the others)
 _CONNECT_S = 120  # the watchdog connections, opened right after every process joined
 _BYE = b"bye\n"
+GRACE_S = 3.0  # an error's wait for the watchdog's line when a peer may have died (grace_for_lost_peer)
 
 
 class _State:
@@ -107,6 +109,16 @@ def _die(message: str) -> None:
   os._exit(3)
 
 
+def grace_for_lost_peer(grace_s: float = GRACE_S) -> None:
+  """This process is about to stop with an error. In a multi-process run a collective with a dead peer fails
+  (gloo: 'connection reset by peer') a moment before the watchdog reads that peer's EOF; the watchdog gets
+  `grace_s` to end the process with its one line naming the lost process and host instead."""
+  w = _State.watchdog
+  deadline = time.monotonic() + grace_s
+  while w is not None and not w.closing and w.peers and time.monotonic() < deadline:
+    time.sleep(0.05)
+
+
 def finish() -> None:
   """A clean end of this process: the watchdog tells its peers not to treat the exit as a death."""
   if _State.watchdog is not None:
@@ -122,6 +134,7 @@ class _Watchdog:
 
     client, self.pid, self.n = global_state.client, jax.process_index(), jax.process_count()
     self.peers: dict[socket.socket, int] = {}
+    self.hosts: dict[int, str] = {}  # process -> its host name, for the line that names a lost one
     self.closing = False
     key = "opdjax/watchdog"
     if self.pid == 0:
@@ -132,7 +145,9 @@ class _Watchdog:
       try:
         for _ in range(self.n - 1):
           conn, _ = server.accept()
-          self.peers[conn] = int(conn.recv(16).decode().strip())
+          pid, _, name = conn.recv(256).decode().strip().partition(" ")
+          self.peers[conn] = int(pid)
+          self.hosts[int(pid)] = name
       except OSError as e:
         raise UserError(f"only {len(self.peers)} of the {self.n - 1} other processes opened the watchdog connection"
                         f" to process 0 ({host}:{server.getsockname()[1]}) within {_CONNECT_S} s ({e}); check that"
@@ -147,8 +162,9 @@ class _Watchdog:
       except OSError as e:
         raise UserError(f"process {self.pid} cannot open the watchdog connection to process 0 at {addr} ({e});"
                         " check that the processes can reach each other on any TCP port.") from None
-      conn.sendall(f"{self.pid}\n".encode())
+      conn.sendall(f"{self.pid} {socket.gethostname()}\n".encode())
       self.peers[conn] = 0
+      self.hosts[0] = h
     for conn in self.peers:
       conn.settimeout(None)
     threading.Thread(target=self._watch, name="opdjax-watchdog", daemon=True).start()
@@ -165,10 +181,11 @@ class _Watchdog:
         conn.close()
         if self.closing or data.startswith(_BYE):
           continue
+        where = f"host {self.hosts[peer]}" if self.hosts.get(peer) else "its host"
         if peer == 0 and self.pid != 0:
-          what = "process 0 (it hosts the coordinator and stops when any process stops) is gone"
+          what = f"process 0 on {where} (it hosts the coordinator and stops when any process stops) is gone"
         else:
-          what = f"process {peer} of {self.n} stopped"
+          what = f"process {peer} of {self.n} on {where} stopped"
         _die(f"{what}; this process (process {self.pid}) stops too instead of waiting for it. Run the same"
              " command on every process to resume from the last complete checkpoint.")
 

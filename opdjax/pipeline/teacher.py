@@ -20,6 +20,7 @@ sees the same answer for the same row and a 2-process run equals its 1-process c
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import jax
@@ -41,6 +42,7 @@ class Teacher:
     self.placement, self.out_dir = placement, out_dir
     self.kind = cfg.teacher_placement
     self.servers: dict = {}  # route tag (None: the one teacher) -> ServedTeacher
+    self._host = ""  # this host's name in its servers' log names (per_host on several hosts)
     self.routes: dict = {}  # teacher.routes: tag -> (its teacher's folder or None, its server's URL or None)
     self.folder = None
     self._reference = None  # the served teacher at the trainer's precision (teacher.check_every)
@@ -98,6 +100,8 @@ class Teacher:
     kw = {"vocab_size": self.vocab_size, "out_dir": self.out_dir,
           "batch_size": max(self.cfg.rollout.batch_size, len(self.task.eval_set()[0]))}
     name = "teacher" if tag is None else f"teacher-{tag}"
+    if self._host:  # per_host on several hosts: each host's servers log to a file of their own on a shared OUT
+      name += f"-{self._host}"
     return serve_teacher(self.deployment, self.cfg, folder, url=url, token=token, name=name, **kw)
 
   def _start_here(self) -> None:
@@ -111,6 +115,7 @@ class Teacher:
     groups = multihost.hosts() if per_host else [list(range(jax.process_count()))]
     me = jax.process_index()
     group = next(g for g in groups if me in g)
+    self._host = socket.gethostname() if len(groups) > 1 and per_host else ""
     host = groups.index(group)
     attached = self.deployment.teacher_vllm.attached
     desc = None
