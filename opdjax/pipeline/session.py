@@ -14,9 +14,10 @@ import jax
 from opdjax.config.schema import Config
 from opdjax.errors import UserError
 from opdjax.models import Model, save_hf_params
+from opdjax.models.vocab import check_logits
 from opdjax.parallel.devices import describe_engine, engine_mesh
 from opdjax.parallel.placement import Placement
-from opdjax.pipeline.build import load_model, make_task
+from opdjax.pipeline.build import check_tokenizers, load_model, make_task
 from opdjax.pipeline.heldout import HeldOut
 from opdjax.pipeline.teacher import Teacher
 from opdjax.rollout import RolloutEngine
@@ -24,7 +25,7 @@ from opdjax.rollout.deploy import Deployment, build, jax_engines, plan
 from opdjax.rollout.jax.cache import EngineCache
 from opdjax.scoring.mismatch import exact_kl
 from opdjax.scoring.rescore import batch_from_rollout, masked_mean
-from opdjax.training.step import check_vocab, create_state, make_optimizer, make_train_step, train_step_shardings
+from opdjax.training.step import create_state, make_optimizer, make_train_step, train_step_shardings
 from opdjax.views.view import EngineView, ViewTransform
 
 ALGOS = ("opd", "grpo")
@@ -97,6 +98,7 @@ class Session:
     trainer_devices = None if self.deployment.trainer_devices is None else list(self.deployment.trainer_devices)
     self.engine_devices = None if self.deployment.engine_devices is None else list(self.deployment.engine_devices)
     self.task = make_task(cfg)
+    check_tokenizers(cfg)  # before the weights load: a different tokenizer is refused in one line
     self.student, self.student_params = load_model("student", cfg, self.task)
     # Where the teacher scores (opdjax.pipeline.teacher): a served teacher's trainer holds no teacher params.
     self.teacher_side = Teacher(cfg, self.deployment, self.task, vocab_size=self.student.cfg.vocab_size,
@@ -107,7 +109,7 @@ class Session:
     else:
       self.clean_teacher, self.clean_teacher_params = load_model("teacher", cfg, self.task)
       teacher_cfg = self.clean_teacher.cfg
-    check_vocab(self.student.cfg.vocab_size, teacher_cfg.vocab_size)
+    check_logits(self.student.cfg, teacher_cfg)
     def note(trainer_mesh) -> str:  # the start-up line says where the engine samples
       if not self.engine_devices:
         return ""

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from opdjax.errors import UserError
 from opdjax.models.decoder import Model
+from opdjax.models.vocab import check_logits
 from opdjax.parallel import rules
 from opdjax.parallel.activations import traced_on
 from opdjax.parallel.placement import Placement
@@ -98,7 +98,7 @@ def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teach
   h_s, _ = student.hidden(params, batch["tokens"], batch["positions"], batch["attention_mask"])
   mask = batch["loss_mask"]
   args = (batch["targets"], batch["rollout_logprobs"], mask, loss_cfg, jnp.dtype(student.cfg.dtype),
-          sampling_transform(sampling, student.cfg.vocab_size))
+          sampling_transform(sampling, student.cfg.logit_size))
   if "teacher_logprobs" in batch:
     served = {k: jax.lax.stop_gradient(batch[k]) for k in SERVED_KEYS if k in batch}
     loss, terms = fused_served_loss(h_s, student.output_matrix(params), served, *args)
@@ -173,14 +173,7 @@ def apply_gradients(state: TrainState, grads, metrics: dict, optimizer: optax.Gr
 
 def check_compatible(student: Model, teacher: Model | None) -> None:
   if teacher is not None:
-    check_vocab(student.cfg.vocab_size, teacher.cfg.vocab_size)
-
-
-def check_vocab(student_vocab: int, teacher_vocab: int) -> None:
-  """One tokenizer for student and teacher (a served teacher's folder is checked with it too)."""
-  if student_vocab != teacher_vocab:
-    raise UserError(f"student vocab_size={student_vocab} != teacher vocab_size={teacher_vocab}: OPD needs one shared"
-                    " tokenizer; pick models from the same family.")
+    check_logits(student.cfg, teacher.cfg)
 
 
 def make_train_step(student: Model, teacher: Model, loss_cfg: LossConfig,
