@@ -217,6 +217,8 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--devices", type=int, default=8, help="devices of the mesh (default 8)")
   p.add_argument("--mesh", default="fsdp=-1", help="axis sizes, e.g. 'fsdp=8', 'data=2,fsdp=4' (default fsdp=-1)")
   p.add_argument("--batch", type=int, default=64, help="sequences per step (default 64)")
+  p.add_argument("--micro-batches", type=int, default=1, help="train.micro_batches: the step's gradient accumulated"
+                 " over N micro-batches of --batch / N sequences, one update (default 1)")
   p.add_argument("--seq-len", type=int, default=1024, help="prompt + completion tokens (default 1024)")
   p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the rollout (default 512)")
   p.add_argument("--loss", choices=list(OBJECTIVES), default="full_rkl", help="loss.kind (default full_rkl)")
@@ -293,7 +295,7 @@ def plan(args, overrides) -> int:
     raise UserError("opdjax plan needs --teacher and --student (the models whose memory it plans).")
   spec = planning.Plan(args.teacher, args.student, args.devices, planning.parse_mesh(args.mesh), args.batch,
                        args.seq_len, args.prompt_len, args.loss, args.chunk, args.dtype, args.remat, args.layers,
-                       args.teacher_serve, args.topk)
+                       args.teacher_serve, args.topk, args.micro_batches)
   result = planning.run(spec)
   print(planning.report(result, args.hbm_gib, args.headroom))
   if args.json:

@@ -75,12 +75,23 @@ class CheckpointHook(Hook):
 
   def after_step(self, loop: Loop, step: int) -> None:
     if (self.every and step % self.every == 0) or step == loop.steps or loop.stop is not None:
-      loop.flush()
-      run = RunState.of(loop, step, guard=None if self.guard is None else self.guard.state(),
-                        length_guard=None if self.length_guard is None else self.length_guard.state())
-      self.ckpt.save_run(run, metrics=loop.last_eval)
+      self.after_step_save(loop, step)
       if self.fault is not None:
         self.fault.phase(loop, "save", step)
+
+  def interrupted(self, loop: Loop, finished: int) -> None:
+    """Ctrl-C or SIGTERM (SLURM's preemption): the last finished step is checkpointed before the run exits, so
+    the same command loses no finished step."""
+    if finished in self.ckpt.all_steps() or finished == loop.start_step:
+      return
+    self.after_step_save(loop, finished)
+    self.ckpt.wait()
+
+  def after_step_save(self, loop: Loop, step: int) -> None:
+    loop.flush()
+    run = RunState.of(loop, step, guard=None if self.guard is None else self.guard.state(),
+                      length_guard=None if self.length_guard is None else self.length_guard.state())
+    self.ckpt.save_run(run, metrics=loop.last_eval)
 
   def end(self, loop: Loop) -> None:
     self.ckpt.wait()  # a failed asynchronous save (e.g. a full disk) raises here

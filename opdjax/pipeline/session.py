@@ -168,7 +168,8 @@ class Session:
         shardings = train_step_shardings(self.placement, self.student_params, self.teacher_params,
                                         self.optimizer(algo))
         self._steps[algo] = make_train_step(self.student, self.teacher, self.cfg.loss, self.optimizer(algo),
-                                            skip_nonfinite=skip, sampling=self.sampling, shardings=shardings)
+                                            skip_nonfinite=skip, sampling=self.sampling, shardings=shardings,
+                                            micro_batches=self.cfg.train.micro_batches)
       else:
         from opdjax.training import grpo
 
