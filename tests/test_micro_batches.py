@@ -53,7 +53,7 @@ def test_micro_batches_equal_the_unsplit_step(loss_cfg):
   assert float(batch["loss_mask"][0::2].sum()) != float(batch["loss_mask"][1::2].sum())
   whole, m1 = _step(loss_cfg, 1, student, teacher, params, t_params, batch)
   assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(params))) > 1e-3
-  for k in (2, 4):
+  for k in (2, 4):  # 4: micro-batches of one row
     split, mk = _step(loss_cfg, k, student, teacher, params, t_params, batch)
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(split)):
       np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)

@@ -188,6 +188,20 @@ class Progress(Hook):
       self.bar = tqdm(desc=self.desc, unit="step", initial=loop.start_step, total=loop.steps, file=self.stream,
                       leave=False)
     self.last = time.time()
+    if loop.start_step == 0 and any(isinstance(h, EvalHook) for h in loop.hooks):
+      self._line(f"step-0 eval on {len(loop.session.task.eval_set()[0])} held-out prompts (the engine compiles first)")
+    else:
+      self._line(f"sampling step {loop.start_step + 1} (the engine compiles first)")
+
+  def phase(self, loop: Loop, name: str, step: int) -> None:
+    if self.enabled and name == "rollout" and step == loop.start_step + 1:
+      self._line(f"step {step}: compiling the train step (once)")
+
+  def _line(self, text: str) -> None:
+    if self.bar is not None:
+      self.bar.write(f"opdjax: {text}", file=self.stream)
+    else:
+      print(f"opdjax: {text}", file=self.stream, flush=True)
 
   def record(self, loop: Loop, rec: dict) -> None:
     if not self.enabled or rec["step"] == loop.start_step:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import jax
 
@@ -97,8 +98,12 @@ class Session:
     # rest (checked by the plan, before the models load).
     trainer_devices = None if self.deployment.trainer_devices is None else list(self.deployment.trainer_devices)
     self.engine_devices = None if self.deployment.engine_devices is None else list(self.deployment.engine_devices)
+    say = self._say
     self.task = make_task(cfg)
+    train = len(getattr(self.task, "_train", ())) or "generated"
+    say(f"tokenized the prompts: {train} for training, {len(self.task.eval_set()[0])} held out")
     check_tokenizers(cfg)  # before the weights load: a different tokenizer is refused in one line
+    say(f"loading the student ({cfg.student.path or 'the demo model'})")
     self.student, self.student_params = load_model("student", cfg, self.task)
     # Where the teacher scores (opdjax.pipeline.teacher): a served teacher's trainer holds no teacher params.
     self.teacher_side = Teacher(cfg, self.deployment, self.task, vocab_size=self.student.cfg.vocab_size,
@@ -107,6 +112,7 @@ class Session:
       self.clean_teacher, self.clean_teacher_params = None, None
       teacher_cfg = self.teacher_side.model_cfg
     else:
+      say(f"loading the teacher ({cfg.teacher.path or 'the demo model'})")
       self.clean_teacher, self.clean_teacher_params = load_model("teacher", cfg, self.task)
       teacher_cfg = self.clean_teacher.cfg
     check_logits(self.student.cfg, teacher_cfg)
@@ -148,6 +154,11 @@ class Session:
                             served=self.teacher_side.score if self.teacher_side.served else None)
     self._steps: dict = {}
     self._optimizers: dict = {}
+
+  def _say(self, text: str) -> None:
+    """A start-up phase's line (stderr: a terminal and logs alike), so the first minute is not silent."""
+    if self.progress and jax.process_index() == 0:
+      print(f"opdjax: {text}", file=sys.stderr, flush=True)
 
   # --- compiled pieces, built on first use ---
 
