@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 
 import jax
@@ -223,7 +224,10 @@ def _save_interrupted(loop: Loop, finished: int) -> None:
   interrupt landed between the step's update and its record (the state is a step ahead of what was logged):
   the last checkpoint stands. A second interrupt while saving leaves it at that."""
   try:
-    if int(jax.device_get(loop.state.step)) != finished:
+    at = int(jax.device_get(loop.state.step))
+    if at != finished:
+      print(f"opdjax: not checkpointing on interrupt: the state is at step {at}, the last logged step {finished}",
+            file=sys.stderr)
       return
     for h in loop.hooks:
       h.interrupted(loop, finished)
