@@ -17,7 +17,9 @@ from opdjax.errors import UserError
 
 
 def out_options(p: argparse.ArgumentParser, required: bool, help_: str) -> None:
-  p.add_argument("--out", required=required, help=help_)
+  # Required to run, not to --print-config (checked in resolved_config).
+  p.add_argument("--out", help=help_ + (" (required)" if required else ""))
+  p.set_defaults(out_required_=required)
   p.add_argument("--overwrite", action="store_true",
                  help="write into a non-empty --out that holds no run of this command (its own files are replaced,"
                       " nothing else is touched)")
@@ -25,15 +27,20 @@ def out_options(p: argparse.ArgumentParser, required: bool, help_: str) -> None:
 
 def resolved_config(args, overrides: dict[str, str]):
   """The command's typed config, or None once --print-config has printed it."""
-  from opdjax.config.schema import flat
+  from opdjax.config.resolve import config_listing
 
-  cfg = resolve_config(getattr(args, "config", None), overrides)
   if not args.print_config:
-    return cfg
-  for k, v in flat(cfg.to_dict()).items():
-    print(f"{k} = {v!r}")
+    if getattr(args, "out_required_", False) and not args.out:
+      args.parser_.error("the following arguments are required: --out")
+    return resolve_config(getattr(args, "config", None), overrides)
+  print(config_listing(getattr(args, "config", None), overrides))
+  from opdjax.config.loader import ConfigError
   from opdjax.rollout.deploy import describe_config
 
+  try:
+    cfg = resolve_config(getattr(args, "config", None), overrides)
+  except ConfigError:  # not runnable as it is: the listing's last line says why
+    return None
   if describe_config(cfg.rollout):  # the layout the keys make: which devices the trainer's mesh gets
     print(f"# {describe_config(cfg.rollout)}")
   return None
@@ -221,6 +228,8 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--devices", type=int, default=8, help="devices of the mesh (default 8)")
   p.add_argument("--mesh", default="fsdp=-1", help="axis sizes, e.g. 'fsdp=8', 'data=2,fsdp=4' (default fsdp=-1)")
   p.add_argument("--batch", type=int, default=64, help="sequences per step (default 64)")
+  p.add_argument("--micro-batches", type=int, default=1, help="train.micro_batches: the step's gradient accumulated"
+                 " over N micro-batches of --batch / N sequences, one update (default 1)")
   p.add_argument("--seq-len", type=int, default=1024, help="prompt + completion tokens (default 1024)")
   p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of the rollout (default 512)")
   p.add_argument("--loss", choices=list(OBJECTIVES), default="full_rkl", help="loss.kind (default full_rkl)")
@@ -297,7 +306,7 @@ def plan(args, overrides) -> int:
     raise UserError("opdjax plan needs --teacher and --student (the models whose memory it plans).")
   spec = planning.Plan(args.teacher, args.student, args.devices, planning.parse_mesh(args.mesh), args.batch,
                        args.seq_len, args.prompt_len, args.loss, args.chunk, args.dtype, args.remat, args.layers,
-                       args.teacher_serve, args.topk)
+                       args.teacher_serve, args.topk, args.micro_batches)
   result = planning.run(spec)
   print(planning.report(result, args.hbm_gib, args.headroom))
   if args.json:

@@ -3,6 +3,7 @@ write in a new --out, and Ctrl-C reported in one line with where the same comman
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -113,3 +114,41 @@ def test_ctrl_c_during_a_checkpoint_save_is_held_until_orbax_returns(tmp_path, p
   state, meta = ckpt.restore(1, tree)
   np.testing.assert_array_equal(state["w"], tree["w"])
   assert meta == {"step": 1}
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_last_finished_step(demo_cache, tmp_path):
+  """SIGTERM (SLURM's preemption) with no checkpoint due for 1000 steps: the run checkpoints its last finished step
+  before it exits, says so exactly, and the same command goes on with every step logged once."""
+  out = tmp_path / "run"
+  cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", "configs/demo.py", "--out", str(out),
+         "--config.train.steps=20000", "--config.train.checkpoint_every=1000", "--config.train.eval_every=50"]
+  env = {**os.environ, "OPDJAX_CACHE": demo_cache}
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = out / "metrics.jsonl"
+  deadline = time.time() + 240
+  try:
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+      assert proc.poll() is None, proc.communicate()
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  assert proc.returncode == 130 and "Traceback" not in err, err
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("opdjax: interrupted (SIGTERM) during step "), err
+  during = int(last.split("during step ")[1].split(",")[0])
+  finished = int(last.split("after step ")[1].split(" ")[0])
+  resume_step = int(last.rsplit("step ", 1)[1].rstrip("."))
+  logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+  # Exact: the step it was in is the one after the last finished, whose record is written and checkpointed.
+  assert during == finished + 1 and resume_step == finished == logged[-1] >= 3, (last, logged)
+  assert sorted(int(d) for d in os.listdir(out / "checkpoints" / "latest") if d.isdigit()) == [finished]
+  rerun = subprocess.run([*cmd[:-3], f"--config.train.steps={finished + 2}", *cmd[-2:]], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+  assert rerun.returncode == 0 and f"resumed at step {finished}" in rerun.stdout, rerun.stderr
+  logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+  assert logged == list(range(finished + 3)), logged  # every step once, none lost, none twice

@@ -31,13 +31,14 @@ def tokenizer(path, chat_template: bool = True) -> None:
 
 
 def model_folder(path, hidden: int = 16, layers: int = 1, seed: int = 0, chat_template: bool = True,
-                 std: float = 0.3) -> str:
-  """A random Qwen2-shaped model (opdjax's own writer: config.json + model.safetensors) and the tokenizer."""
+                 std: float = 0.3, rows: int = VOCAB) -> str:
+  """A random Qwen2-shaped model (opdjax's own writer: config.json + model.safetensors) and the tokenizer;
+  `rows` > VOCAB pads its embedding table as Qwen2.5's are."""
   import jax
 
   from opdjax.models import Model, ModelConfig, save_hf_params
 
-  cfg = ModelConfig("qwen2", VOCAB, hidden, 2 * hidden, layers, 4, 2, hidden // 4, eos_token_id=1, pad_token_id=0)
+  cfg = ModelConfig("qwen2", rows, hidden, 2 * hidden, layers, 4, 2, hidden // 4, eos_token_id=1, pad_token_id=0)
   shapes = jax.eval_shape(Model(cfg).init, jax.random.key(0))
   rng = np.random.default_rng(seed)
   params = jax.tree_util.tree_map_with_path(

@@ -51,11 +51,14 @@ class Plan:
   layers: int = 0  # 0: the models' own depth; N: both models cut to N layers (faster compiles)
   teacher_serve: str = "trainer"  # teacher.serve: "vllm" plans the trainer of a served teacher
   topk: int = 16  # loss.topk (topk_rkl)
+  micro_batches: int = 1  # train.micro_batches: the step's gradient accumulated over that many micro-batches
 
   def __post_init__(self):
     from opdjax.errors import UserError
     from opdjax.training.loss import LossConfig, refusal
 
+    if self.micro_batches < 1 or self.batch % self.micro_batches:
+      raise UserError(f"--micro-batches {self.micro_batches}: give a divisor of --batch {self.batch}.")
     if self.teacher_serve not in SERVE_PLACEMENT:
       raise UserError(f"--teacher-serve {self.teacher_serve!r}: choose trainer or vllm.")
     why = refusal(self.placement, LossConfig(kind=self.loss, topk=self.topk))
@@ -195,7 +198,7 @@ def _train_memory(plan: Plan, place, student, teacher, state, optimizer) -> dict
       shapes["teacher_topk_logprobs"] = ((rows, length, plan.topk), jnp.float32)
   batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=batch_sh) for k, (shape, dt) in shapes.items()}
   step = make_train_step(student, teacher, LossConfig(kind=plan.loss, chunk=plan.chunk, topk=plan.topk), optimizer,
-                         shardings=shardings)
+                         shardings=shardings, micro_batches=plan.micro_batches)
   train = _memory(step.lower(state, t_params, batch).compile())
   train["student_params"] = _bytes_per_device(state.params)
   train["optimizer_state"] = _bytes_per_device(state.opt_state)
@@ -234,7 +237,9 @@ def report(result: dict, hbm_gib: float, headroom: float) -> str:
   lines = [f"opdjax plan: teacher {p['teacher']} -> student {p['student']}"
            + (f" (both cut to {p['layers']} layers)" if p["layers"] else "")
            + (", teacher served by vLLM (teacher.serve=vllm)" if served else ""),
-           f"  batch {p['batch']} x {p['seq_len']} tokens (prompt {p['prompt_len']}), loss {p['loss']} (chunk"
+           f"  batch {p['batch']} x {p['seq_len']} tokens (prompt {p['prompt_len']})"
+           + (f" in {p['micro_batches']} micro-batches of {p['batch'] // p['micro_batches']} (train.micro_batches)"
+              if p.get("micro_batches", 1) > 1 else "") + f", loss {p['loss']} (chunk"
            f" {p['chunk']}), {p['dtype']} compute, remat {p['remat']}",
            f"  mesh {mesh} on {p['devices']} devices (compiled for the host CPU: GPU layouts differ; see --help)", ""]
   sides = [("train", "train step"), *([("train_teacher_in_trainer", "in trainer")] if served else []),

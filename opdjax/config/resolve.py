@@ -36,6 +36,26 @@ def resolve_config(path: str | None, overrides: dict[str, str]) -> Config:
   return build(apply_overrides(load_config_file(path) if path else default_config(), overrides))
 
 
+def config_listing(path: str | None, overrides: dict[str, str]) -> str:
+  """`--print-config`: every key with its value and one-line description (opdjax.config.descriptions). A config
+  that is not runnable as it is (empty or missing paths before a pair is chosen) is still listed, its first
+  check's complaint on the last line."""
+  from opdjax.config.descriptions import describe
+  from opdjax.config.schema import _build, flat
+
+  values = apply_overrides(load_config_file(path) if path else default_config(), overrides).to_dict()
+  with paths_unchecked():
+    cfg = _build(Config, values, "")  # the sections' own value checks still apply
+  try:
+    build(values)
+    problem = ""
+  except ConfigError as e:
+    problem = f"# not runnable as it is: {e}"
+  rows = [(f"{k} = {v!r}", describe(k)) for k, v in flat(cfg.to_dict()).items()]
+  width = min(max(len(a) for a, _ in rows), 60)
+  return "\n".join([f"{a:<{width}}  # {d}" if d else a for a, d in rows] + ([problem] if problem else []))
+
+
 @contextlib.contextmanager
 def paths_unchecked():
   """Configs built inside do not check that the files they name exist: for commands that print

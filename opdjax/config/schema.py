@@ -84,12 +84,21 @@ class Config:
                       f" samples at rollout.temperature={r.temperature:g}, top_k={r.top_k}, top_p={r.top_p:g}"
                       " (another distribution): set rollout.temperature=1, top_k=0, top_p=1, or"
                       " loss.student_logprobs='trainer'.")
+    self._check_micro_batches()
     if self.teacher.preflight and not self.train.budget:
       raise UserError("teacher.preflight compares the served teacher's deviation with the run's mismatch budget: give"
                       " train.budget=PATH (a budget.json of `opdjax calibrate`), or leave teacher.preflight off.")
     if self.task.name == "prompts" and not self.teacher.path:
       raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
     return self
+
+  def _check_micro_batches(self) -> None:
+    k, rows = self.train.micro_batches, self.rollout.batch_size
+    if rows % k:
+      raise UserError(f"train.micro_batches={k} does not divide rollout.batch_size={rows}: give a divisor of {rows}.")
+    if k > 1 and self.loss.kind == "sampled_rkl" and self.loss.baseline == "loo" and rows // k < 2:
+      raise UserError(f"loss.baseline='loo' averages over the other rows of each micro-batch, and train.micro_batches="
+                      f"{k} leaves {rows // k} row in each: give train.micro_batches <= {rows // 2}.")
 
   @property
   def teacher_placement(self) -> str:

@@ -338,9 +338,11 @@ class TrainConfig:
   tensorboard, wandb, trackio (opdjax.pipeline.trackers; `tracker_project` names the W&B / trackio
   project). log_samples_every: every k steps a few samples to OUT/samples.jsonl and the trackers' tables
   (0: none). length_guard: off, warn or halt when more than `length_guard_threshold` of the completions
-  hit rollout.max_new_tokens over `length_guard_window` steps (opdjax.pipeline.telemetry)."""
+  hit rollout.max_new_tokens over `length_guard_window` steps (opdjax.pipeline.telemetry). micro_batches:
+  gradient accumulation (opdjax.training.step.accumulate_gradients)."""
 
   steps: int = 1200
+  micro_batches: int = 1
   eval_every: int = 1
   checkpoint_every: int = 200
   keep_checkpoints: int = 3
@@ -361,6 +363,7 @@ class TrainConfig:
 
   def check(self):
     check_positive("train.steps", self.steps)
+    check_positive("train.micro_batches", self.micro_batches)
     parse_loggers(self.loggers)
     check_positive("train.log_samples_every", self.log_samples_every, 0)
     if self.log_samples_every > self.steps:

@@ -62,6 +62,10 @@ class ModelConfig:
   # fp8 activations (per-token scales) instead of being dequantized first: W8A8 on FP8 tensor
   # cores (compute capability >= 8.9). Needs act_quant="fp8_e4m3", the numerics it computes.
   fp8_matmul: bool = False
+  # The pair's shared tokenizer has ids [0, shared_vocab) (a runtime setting, never saved; 0: every row).
+  # Embedding rows beyond it are padding (Qwen2.5-7B has 152064 rows for a 151665-token tokenizer): logits,
+  # and so every softmax, KL and sample, cover the tokenizer's ids only (opdjax.models.vocab).
+  shared_vocab: int = 0
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -93,6 +97,8 @@ class ModelConfig:
       raise UnsupportedModelError(
           f"fp8_matmul=True multiplies fp8 activations, but act_quant={self.act_quant!r}: set"
           " act_quant='fp8_e4m3' (the W8A8 numerics it computes) or turn fp8_matmul off.")
+    if not 0 <= self.shared_vocab <= self.vocab_size:
+      raise UnsupportedModelError(f"shared_vocab={self.shared_vocab} is outside [0, vocab_size={self.vocab_size}].")
     if self.num_heads % self.num_kv_heads:
       raise UnsupportedModelError(
           f"num_attention_heads={self.num_heads} is not a multiple of"
@@ -106,6 +112,11 @@ class ModelConfig:
     if isinstance(self.eos_token_id, int):
       return (self.eos_token_id,)
     return tuple(self.eos_token_id)
+
+  @property
+  def logit_size(self) -> int:
+    """How many logits the model computes: the shared tokenizer's ids (padded embedding rows excluded)."""
+    return self.shared_vocab or self.vocab_size
 
   def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)

@@ -94,10 +94,13 @@ def prepare(params, cfg: ModelConfig) -> dict:
       w["gate_up_bias"] = jnp.concatenate([unpacked(mlp[n]["bias"][i]) for n in ("gate_proj", "up_proj")])
       w["down_bias"] = unpacked(mlp["down_proj"]["bias"][i])
     layers.append(w)
-  out = {"embed": unpacked(params["embed_tokens"]["embedding"]), "norm": unpacked(params["norm"]["weight"]),
+  # Rows beyond the shared tokenizer (`cfg.logit_size`) are padding: no prompt or sample holds their ids, and
+  # cut here, once per weight version, they get no logit and so no probability in any sample.
+  v = cfg.logit_size
+  out = {"embed": unpacked(params["embed_tokens"]["embedding"][:v]), "norm": unpacked(params["norm"]["weight"]),
          "layers": tuple(layers)}
   if not cfg.tie_word_embeddings:
-    out["lm_head"] = unpacked(params["lm_head"]["kernel"])
+    out["lm_head"] = unpacked(params["lm_head"]["kernel"][:, :v])
   return out
 
 

@@ -138,6 +138,7 @@ class Decoder(nn.Module):
       w_DxV = self.embed_tokens.embedding.T
     else:
       w_DxV = self.lm_head.variables["params"]["kernel"]
+    w_DxV = w_DxV[:, :self.cfg.logit_size]  # padded rows beyond the shared tokenizer get no logit
     dt = jnp.dtype(self.cfg.dtype)
     return jnp.einsum("...d,dv->...v", hidden_BxTxD.astype(dt), w_DxV.astype(dt),
                       preferred_element_type=jnp.float32)
@@ -180,10 +181,11 @@ class Model:
       return self.module.apply({"params": params}, hidden, method=Decoder.logits)
 
   def output_matrix(self, params) -> jax.Array:
-    """The `[D, V]` matrix `logits` multiplies by (the embedding's transpose when tied)."""
+    """The `[D, V]` matrix `logits` multiplies by (the embedding's transpose when tied), V = `cfg.logit_size`:
+    the rows beyond the shared tokenizer are padding and get no logit (their gradient is zero)."""
     if self.cfg.tie_word_embeddings:
-      return params["embed_tokens"]["embedding"].T
-    return params["lm_head"]["kernel"]
+      return params["embed_tokens"]["embedding"][:self.cfg.logit_size].T
+    return params["lm_head"]["kernel"][:, :self.cfg.logit_size]
 
   def apply(self, params, tokens, positions, attention_mask, cache=None):
     """`(logits_fp32 [B, T, V], cache)`."""

@@ -11,6 +11,7 @@ import numpy as np
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig, load_hf_params
 from opdjax.models.fetch import resolve
+from opdjax.models.vocab import check_pair, shared_vocab
 from opdjax.rollout.vllm.teacher import URL_PREFIXES
 from opdjax.tasks.addition import AdditionTask
 from opdjax.tasks.demo_models import cached_sft_model
@@ -61,7 +62,7 @@ def prune_layers(model_cfg: ModelConfig, params, keep: str):
 
 
 def check_task_vocab(who: str, vocab_size: int, task) -> None:
-  """A model (`who`: the role, or a route's teacher) covers the task's tokenizer."""
+  """A model (`who`: the role, or a route's teacher) covers the task's tokenizer (rows beyond it are padding)."""
   if vocab_size < task.vocab_size:
     raise UserError(f"{who} vocab_size={vocab_size} is smaller than the task's tokenizer ({task.vocab_size} tokens);"
                     " use a model that matches the prompts' tokenizer.")
@@ -84,7 +85,7 @@ def teacher_folder(cfg, task) -> tuple[str, ModelConfig]:
   else:
     raise UserError("teacher.path is empty: give an HF safetensors folder for the served teacher.")
   check_task_vocab("teacher", model_cfg.vocab_size, task)
-  return path, model_cfg
+  return path, model_cfg.replace(shared_vocab=shared_vocab(model_cfg.vocab_size, task.vocab_size))
 
 
 def route_targets(cfg, task) -> dict:
@@ -124,4 +125,13 @@ def load_model(role: str, cfg, task):
   else:
     raise UserError(f"{role}.path is empty: give an HF safetensors folder for the {role}.")
   check_task_vocab(role, model_cfg.vocab_size, task)
-  return Model(model_cfg.replace(dtype=cfg.model.dtype), remat_policy=cfg.model.remat_policy), params
+  model_cfg = model_cfg.replace(dtype=cfg.model.dtype, shared_vocab=shared_vocab(model_cfg.vocab_size, task.vocab_size))
+  return Model(model_cfg, remat_policy=cfg.model.remat_policy), params
+
+
+def check_tokenizers(cfg) -> None:
+  """The student's and the teacher's tokenizer files, compared by content (opdjax.models.vocab.check_pair)."""
+  from opdjax.tasks.prompts import load_tokenizer
+
+  folders = [resolve(p) if p else None for p in (cfg.student.path, cfg.teacher.path)]
+  check_pair(*folders, load_tokenizer)

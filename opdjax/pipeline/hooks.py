@@ -75,12 +75,23 @@ class CheckpointHook(Hook):
 
   def after_step(self, loop: Loop, step: int) -> None:
     if (self.every and step % self.every == 0) or step == loop.steps or loop.stop is not None:
-      loop.flush()
-      run = RunState.of(loop, step, guard=None if self.guard is None else self.guard.state(),
-                        length_guard=None if self.length_guard is None else self.length_guard.state())
-      self.ckpt.save_run(run, metrics=loop.last_eval)
+      self.after_step_save(loop, step)
       if self.fault is not None:
         self.fault.phase(loop, "save", step)
+
+  def interrupted(self, loop: Loop, finished: int) -> None:
+    """Ctrl-C or SIGTERM (SLURM's preemption): the last finished step is checkpointed before the run exits, so
+    the same command loses no finished step."""
+    if finished in self.ckpt.all_steps() or finished == loop.start_step:
+      return
+    self.after_step_save(loop, finished)
+    self.ckpt.wait()
+
+  def after_step_save(self, loop: Loop, step: int) -> None:
+    loop.flush()
+    run = RunState.of(loop, step, guard=None if self.guard is None else self.guard.state(),
+                      length_guard=None if self.length_guard is None else self.length_guard.state())
+    self.ckpt.save_run(run, metrics=loop.last_eval)
 
   def end(self, loop: Loop) -> None:
     self.ckpt.wait()  # a failed asynchronous save (e.g. a full disk) raises here
@@ -178,6 +189,20 @@ class Progress(Hook):
       self.bar = tqdm(desc=self.desc, unit="step", initial=loop.start_step, total=loop.steps, file=self.stream,
                       leave=False)
     self.last = time.time()
+    if loop.start_step == 0 and any(isinstance(h, EvalHook) for h in loop.hooks):
+      self._line(f"step-0 eval on {len(loop.session.task.eval_set()[0])} held-out prompts (the engine compiles first)")
+    else:
+      self._line(f"sampling step {loop.start_step + 1} (the engine compiles first)")
+
+  def phase(self, loop: Loop, name: str, step: int) -> None:
+    if self.enabled and name == "rollout" and step == loop.start_step + 1:
+      self._line(f"step {step}: compiling the train step (once)")
+
+  def _line(self, text: str) -> None:
+    if self.bar is not None:
+      self.bar.write(f"opdjax: {text}", file=self.stream)
+    else:
+      print(f"opdjax: {text}", file=self.stream, flush=True)
 
   def record(self, loop: Loop, rec: dict) -> None:
     if not self.enabled or rec["step"] == loop.start_step:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 
 import jax
@@ -44,6 +45,7 @@ class Hook:
   def after_step(self, loop: Loop, step: int) -> None: ...
   def phase(self, loop: Loop, name: str, step: int) -> None: ...
   def record(self, loop: Loop, rec: dict) -> None: ...
+  def interrupted(self, loop: Loop, finished: int) -> None: ...
   def end(self, loop: Loop) -> None: ...
   def close(self, loop: Loop) -> None: ...
 
@@ -176,7 +178,7 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
       sampler.history.push(version, params)
   loop = Loop(session, view, seed, steps, state, sampler, list(hooks), start, last_eval,
               timed=sampler.timed if timed is None else timed)
-  step = start
+  step = finished = start
   try:
     for h in loop.hooks:
       h.start(loop)
@@ -193,6 +195,7 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
       version = sample.rollout.params_version
       rec = {"step": step + 1, "params_version": version, "params_lag": step - version, **sample.record}
       loop.pending = (rec, metrics, score, timing)
+      finished = step + 1  # its update applied and its record composed: what an interrupt saves
       for h in loop.hooks:
         h.after_step(loop, step + 1)
       if timing is not None:
@@ -203,7 +206,10 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
     for h in loop.hooks:
       h.end(loop)
   except KeyboardInterrupt as e:  # reported once the hooks below have closed (checkpoints written)
-    raise e if isinstance(e, Interrupted) else Interrupted(step + 1) from None
+    if isinstance(e, Interrupted):
+      raise
+    _save_interrupted(loop, finished)
+    raise Interrupted(step + 1, finished=finished) from None
   except ServerFailed as e:  # a served teacher's server: the step it failed in, reported after the hooks closed
     raise ServerFailed(f"step {step + 1}: {e} The same command resumes from the last complete checkpoint.") from None
   finally:
@@ -211,6 +217,22 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
     for h in loop.hooks:
       h.close(loop)
   return loop
+
+
+def _save_interrupted(loop: Loop, finished: int) -> None:
+  """Ctrl-C or SIGTERM: the hooks keep the last finished step (its record, a checkpoint). Skipped when the
+  interrupt landed between the step's update and its record (the state is a step ahead of what was logged):
+  the last checkpoint stands. A second interrupt while saving leaves it at that."""
+  try:
+    at = int(jax.device_get(loop.state.step))
+    if at != finished:
+      print(f"opdjax: not checkpointing on interrupt: the state is at step {at}, the last logged step {finished}",
+            file=sys.stderr)
+      return
+    for h in loop.hooks:
+      h.interrupted(loop, finished)
+  except KeyboardInterrupt:
+    pass
 
 
 def _phase(loop: Loop, name: str, step: int) -> None:

@@ -8,12 +8,15 @@ loop with its hooks and writes the student as an HF folder.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 
 import jax
 
@@ -112,14 +115,42 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
     budget = load_run_budget(cfg.train.budget, session) if cfg.train.budget else None
     if cfg.teacher.preflight:  # the served teacher admitted against the budget before anything is trained
       _preflight(session)
-    return _train(session, out_dir, ckpt_dir, resuming, fallback, progress, budget, command)
+    with sigterm_as_interrupt() as signalled:
+      return _train(session, out_dir, ckpt_dir, resuming, fallback, progress, budget, command)
   except Interrupted as e:
     steps = [int(d) for d in os.listdir(os.path.join(ckpt_dir, "latest")) if d.isdigit()] \
         if os.path.isdir(os.path.join(ckpt_dir, "latest")) else []
     where = f"resumes from step {max(steps)}" if steps else "starts the run again (no checkpoint was complete)"
-    raise Interrupted(e.step, f"interrupted during step {e.step}; the same command {where}.") from None
+    by = " (SIGTERM)" if signalled else ""
+    raise Interrupted(e.step, f"interrupted{by} during step {e.step}, after step {e.finished} finished; the same"
+                      f" command {where}.", e.finished) from None
   finally:
     session.close()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+  """SIGTERM (SLURM's preemption, `kill`) handled as a Ctrl-C: through the SIGINT handler in force (which holds
+  it while a checkpoint is being written), so the run checkpoints its last finished step and exits. Yields a
+  list that holds "SIGTERM" once one arrived. Off the main thread (no signals arrive there) it does nothing."""
+  signalled: list[str] = []
+  if threading.current_thread() is not threading.main_thread():
+    yield signalled
+    return
+
+  def on_term(signum, frame):
+    signalled.append("SIGTERM")
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+      handler(signal.SIGINT, frame)
+    else:
+      raise KeyboardInterrupt
+
+  previous = signal.signal(signal.SIGTERM, on_term)
+  try:
+    yield signalled
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def _preflight(session: Session) -> None:

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import jax
 
 from opdjax.config.schema import Config
 from opdjax.errors import UserError
 from opdjax.models import Model, save_hf_params
+from opdjax.models.vocab import check_logits
 from opdjax.parallel.devices import describe_engine, engine_mesh
 from opdjax.parallel.placement import Placement
-from opdjax.pipeline.build import load_model, make_task
+from opdjax.pipeline.build import check_tokenizers, load_model, make_task
 from opdjax.pipeline.heldout import HeldOut
 from opdjax.pipeline.teacher import Teacher
 from opdjax.rollout import RolloutEngine
@@ -24,7 +26,7 @@ from opdjax.rollout.deploy import Deployment, build, jax_engines, plan
 from opdjax.rollout.jax.cache import EngineCache
 from opdjax.scoring.mismatch import exact_kl
 from opdjax.scoring.rescore import batch_from_rollout, masked_mean
-from opdjax.training.step import check_vocab, create_state, make_optimizer, make_train_step, train_step_shardings
+from opdjax.training.step import create_state, make_optimizer, make_train_step, train_step_shardings
 from opdjax.views.view import EngineView, ViewTransform
 
 ALGOS = ("opd", "grpo")
@@ -96,7 +98,12 @@ class Session:
     # rest (checked by the plan, before the models load).
     trainer_devices = None if self.deployment.trainer_devices is None else list(self.deployment.trainer_devices)
     self.engine_devices = None if self.deployment.engine_devices is None else list(self.deployment.engine_devices)
+    say = self._say
     self.task = make_task(cfg)
+    train = len(getattr(self.task, "_train", ())) or "generated"
+    say(f"tokenized the prompts: {train} for training, {len(self.task.eval_set()[0])} held out")
+    check_tokenizers(cfg)  # before the weights load: a different tokenizer is refused in one line
+    say(f"loading the student ({cfg.student.path or 'the demo model'})")
     self.student, self.student_params = load_model("student", cfg, self.task)
     # Where the teacher scores (opdjax.pipeline.teacher): a served teacher's trainer holds no teacher params.
     self.teacher_side = Teacher(cfg, self.deployment, self.task, vocab_size=self.student.cfg.vocab_size,
@@ -105,9 +112,10 @@ class Session:
       self.clean_teacher, self.clean_teacher_params = None, None
       teacher_cfg = self.teacher_side.model_cfg
     else:
+      say(f"loading the teacher ({cfg.teacher.path or 'the demo model'})")
       self.clean_teacher, self.clean_teacher_params = load_model("teacher", cfg, self.task)
       teacher_cfg = self.clean_teacher.cfg
-    check_vocab(self.student.cfg.vocab_size, teacher_cfg.vocab_size)
+    check_logits(self.student.cfg, teacher_cfg)
     def note(trainer_mesh) -> str:  # the start-up line says where the engine samples
       if not self.engine_devices:
         return ""
@@ -147,6 +155,11 @@ class Session:
     self._steps: dict = {}
     self._optimizers: dict = {}
 
+  def _say(self, text: str) -> None:
+    """A start-up phase's line (stderr: a terminal and logs alike), so the first minute is not silent."""
+    if self.progress and jax.process_index() == 0:
+      print(f"opdjax: {text}", file=sys.stderr, flush=True)
+
   # --- compiled pieces, built on first use ---
 
   def optimizer(self, algo: str = "opd"):
@@ -166,7 +179,8 @@ class Session:
         shardings = train_step_shardings(self.placement, self.student_params, self.teacher_params,
                                         self.optimizer(algo))
         self._steps[algo] = make_train_step(self.student, self.teacher, self.cfg.loss, self.optimizer(algo),
-                                            skip_nonfinite=skip, sampling=self.sampling, shardings=shardings)
+                                            skip_nonfinite=skip, sampling=self.sampling, shardings=shardings,
+                                            micro_batches=self.cfg.train.micro_batches)
       else:
         from opdjax.training import grpo
 

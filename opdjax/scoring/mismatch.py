@@ -90,7 +90,7 @@ def exact_kl(view: Model, view_params, trainer: Model, trainer_params, batch: Tr
 
   def per_chunk(hv, ht):
     shape = hv.shape[:-1]
-    logq = sampling_logprobs(view.logits(view_params, hv).reshape(-1, view.cfg.vocab_size), sampling)
+    logq = sampling_logprobs(view.logits(view_params, hv).reshape(-1, view.cfg.logit_size), sampling)
     logp = jax.nn.log_softmax(trainer.logits(trainer_params, ht).reshape(logq.shape) / temp, axis=-1)
     q = jnp.exp(logq)
     kl = jnp.sum(jnp.where(q > 0, q * (logq - logp), 0.0), axis=-1)

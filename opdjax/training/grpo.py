@@ -139,7 +139,7 @@ def grpo_loss(params, batch: TrainBatch, advantages, *, student: Model, cfg: Grp
   # Off-mask entries are never read: garbage there (e.g. exp overflow) must not reach the sums.
   lp_r = jnp.where(mask > 0, batch["rollout_logprobs"], 0.0)
   lp_s, lp_tr = _logprobs(student, params, batch, cfg,
-                          sampling_transform(sampling, student.cfg.vocab_size, cfg.temperature))
+                          sampling_transform(sampling, student.cfg.logit_size, cfg.temperature))
   w = jnp.where(mask > 0, importance_weights(lp_tr, lp_r, cfg), 0.0)
   adv = jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32))
   loss = masked_mean(-w * adv[:, None] * lp_s, mask)

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from opdjax.errors import UserError
 from opdjax.models.decoder import Model
+from opdjax.models.vocab import check_logits
 from opdjax.parallel import rules
 from opdjax.parallel.activations import traced_on
 from opdjax.parallel.placement import Placement
@@ -95,26 +95,38 @@ def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teach
   teacher's answer (teacher.serve='vllm', opdjax.rollout.vllm.teacher): no teacher runs here at all
   (`teacher` and `teacher_params` are None).
   """
+  loss, terms = opd_terms(params, teacher_params, batch, student=student, teacher=teacher, loss_cfg=loss_cfg,
+                          sampling=sampling)
+  return loss, opd_metrics(loss, terms, batch)
+
+
+def opd_terms(params, teacher_params, batch: TrainBatch, *, student: Model, teacher: Model, loss_cfg: LossConfig,
+              sampling: SamplingParams | None = None):
+  """`(loss, per-token terms [B, L])` of `opd_loss`, before the metrics are reduced from the terms."""
   h_s, _ = student.hidden(params, batch["tokens"], batch["positions"], batch["attention_mask"])
   mask = batch["loss_mask"]
   args = (batch["targets"], batch["rollout_logprobs"], mask, loss_cfg, jnp.dtype(student.cfg.dtype),
-          sampling_transform(sampling, student.cfg.vocab_size))
+          sampling_transform(sampling, student.cfg.logit_size))
   if "teacher_logprobs" in batch:
     served = {k: jax.lax.stop_gradient(batch[k]) for k in SERVED_KEYS if k in batch}
-    loss, terms = fused_served_loss(h_s, student.output_matrix(params), served, *args)
+    return fused_served_loss(h_s, student.output_matrix(params), served, *args)
+  if "teacher_hidden" in batch:
+    h_t = batch["teacher_hidden"]
   else:
-    if "teacher_hidden" in batch:
-      h_t = batch["teacher_hidden"]
-    else:
-      h_t, _ = teacher.hidden(teacher_params, batch["tokens"], batch["positions"], batch["attention_mask"])
-    loss, terms = fused_opd_loss(h_s, student.output_matrix(params), jax.lax.stop_gradient(h_t),
-                                 jax.lax.stop_gradient(teacher.output_matrix(teacher_params)), *args)
+    h_t, _ = teacher.hidden(teacher_params, batch["tokens"], batch["positions"], batch["attention_mask"])
+  return fused_opd_loss(h_s, student.output_matrix(params), jax.lax.stop_gradient(h_t),
+                        jax.lax.stop_gradient(teacher.output_matrix(teacher_params)), *args)
+
+
+def opd_metrics(loss, terms: dict, batch: TrainBatch) -> dict[str, jax.Array]:
+  """The step's metrics from the whole batch's per-token terms (the same with or without micro-batches)."""
+  mask = batch["loss_mask"]
   lp_s, lp_t = terms["student_logprobs"], terms["teacher_logprobs"]
   # Rollout vs trainer on the same tokens and the same processed distribution, from the forward
   # pass the loss already did.
   mismatch = mismatch_metrics(batch["rollout_logprobs"], terms["trainer_logprobs"], mask)
   signal = masked_mean(lp_s - lp_t, mask)
-  metrics = {
+  return {
       "loss": loss,
       "reverse_kl": masked_mean(terms["reverse_kl"], mask),
       "entropy": masked_mean(terms["entropy"], mask),
@@ -129,7 +141,6 @@ def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teach
       "opd_signal": signal + mismatch["mismatch_kl_k1_tok"] if loss_cfg.student_logprobs == "rollout" else signal,
       **mismatch,
   }
-  return loss, metrics
 
 
 def mismatch_metrics(rollout_logprobs, trainer_logprobs, mask) -> dict[str, jax.Array]:
@@ -149,13 +160,42 @@ def mismatch_metrics(rollout_logprobs, trainer_logprobs, mask) -> dict[str, jax.
 
 def train_step(state: TrainState, teacher_params, batch: TrainBatch, *, student: Model,
                teacher: Model, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-               skip_nonfinite: bool = False, sampling: SamplingParams | None = None):
-  """`(state, batch) -> (state, metrics)`; pure, jit with `make_train_step`."""
-  grad_fn = jax.value_and_grad(
-      functools.partial(opd_loss, student=student, teacher=teacher, loss_cfg=loss_cfg, sampling=sampling),
-      has_aux=True)
-  (_, metrics), grads = grad_fn(state.params, teacher_params, batch)
-  return apply_gradients(state, grads, metrics, optimizer, skip_nonfinite)
+               skip_nonfinite: bool = False, sampling: SamplingParams | None = None, micro_batches: int = 1):
+  """`(state, batch) -> (state, metrics)`; pure, jit with `make_train_step`. `micro_batches` > 1: the batch's
+  gradient accumulated over that many micro-batches of its rows (`accumulate_gradients`), one update."""
+  fn = functools.partial(opd_terms, student=student, teacher=teacher, loss_cfg=loss_cfg, sampling=sampling)
+  grads, loss, terms = accumulate_gradients(jax.value_and_grad(fn, has_aux=True), state.params, teacher_params,
+                                            batch, micro_batches)
+  return apply_gradients(state, grads, opd_metrics(loss, terms, batch), optimizer, skip_nonfinite)
+
+
+def accumulate_gradients(grad_fn, params, teacher_params, batch: TrainBatch, micro_batches: int):
+  """`(grads, loss, terms)` of the whole batch from `micro_batches` micro-batches of its rows, one at a time.
+
+  Micro-batch j holds rows j, j + k, j + 2k, ... (k = micro_batches), so on a mesh each device keeps its own
+  rows. Its loss is its masked mean over its own n_j tokens; scaled by n_j / N (N: the whole batch's tokens)
+  the summed gradients are the gradient of the whole batch's masked mean, which is what the unsplit step
+  takes. The per-token terms are put back in the batch's row order, so every metric is the whole batch's.
+  Only `loss.baseline='loo'` sees less: the other rows of its own micro-batch (still unbiased; docs/objectives.md).
+  """
+  if micro_batches == 1:
+    (loss, terms), grads = grad_fn(params, teacher_params, batch)
+    return grads, loss, terms
+  k = micro_batches
+  total = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+  split = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch)
+
+  def body(acc, micro):
+    (loss, terms), grads = grad_fn(params, teacher_params, micro)
+    scale = jnp.sum(micro["loss_mask"]) / total
+    acc = jax.tree.map(lambda a, g: a + scale * g.astype(jnp.float32), acc, grads)
+    return acc, (scale * loss, terms)
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  grads, (losses, terms) = jax.lax.scan(body, zeros, split)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  terms = jax.tree.map(lambda t: jnp.swapaxes(t, 0, 1).reshape(-1, *t.shape[2:]), terms)
+  return grads, jnp.sum(losses), terms
 
 
 def apply_gradients(state: TrainState, grads, metrics: dict, optimizer: optax.GradientTransformation,
@@ -175,29 +215,24 @@ def apply_gradients(state: TrainState, grads, metrics: dict, optimizer: optax.Gr
 
 def check_compatible(student: Model, teacher: Model | None) -> None:
   if teacher is not None:
-    check_vocab(student.cfg.vocab_size, teacher.cfg.vocab_size)
-
-
-def check_vocab(student_vocab: int, teacher_vocab: int) -> None:
-  """One tokenizer for student and teacher (a served teacher's folder is checked with it too)."""
-  if student_vocab != teacher_vocab:
-    raise UserError(f"student vocab_size={student_vocab} != teacher vocab_size={teacher_vocab}: OPD needs one shared"
-                    " tokenizer; pick models from the same family.")
+    check_logits(student.cfg, teacher.cfg)
 
 
 def make_train_step(student: Model, teacher: Model, loss_cfg: LossConfig,
                     optimizer: optax.GradientTransformation, skip_nonfinite: bool = False,
-                    sampling: SamplingParams | None = None, shardings: tuple | None = None):
+                    sampling: SamplingParams | None = None, shardings: tuple | None = None, micro_batches: int = 1):
   """The step jitted once, with the train state donated.
 
   `sampling`: the `SamplingParams` the rollouts are generated with, so that the importance
   weights and `mismatch_*` metrics compare the trainer with the engine on the same processed
   distribution (see `opd_loss`). None: the rollouts are T = 1 and unprocessed. `shardings`:
-  (in_shardings, out_shardings) over a mesh (`train_step_shardings`); None: one device.
+  (in_shardings, out_shardings) over a mesh (`train_step_shardings`); None: one device. `micro_batches`:
+  train.micro_batches (`accumulate_gradients`).
   """
   check_compatible(student, teacher)
   fn = functools.partial(train_step, student=student, teacher=teacher, loss_cfg=loss_cfg,
-                         optimizer=optimizer, skip_nonfinite=skip_nonfinite, sampling=sampling)
+                         optimizer=optimizer, skip_nonfinite=skip_nonfinite, sampling=sampling,
+                         micro_batches=micro_batches)
   if shardings is None:
     return jax.jit(fn, donate_argnums=0)
 
