@@ -221,9 +221,12 @@ def _gap(lp, batch, reduce=np.max) -> float:
 
 
 # fp32: exact up to summation order. bf16: the decode path and the full forward round differently
-# (measured on these models: a clean bf16 engine's mean |gap| 0.005-0.009 nats, max 0.017-0.024).
+# (measured on these models: a clean bf16 engine's mean |gap| 0.005-0.009 nats, max 0.017-0.024). The fp8
+# engine puts the scales on scores and probabilities in fp32, where the view multiplies by bf16(fp8 * scale):
+# one bf16 rounding fewer, so its gap to the view is larger (this rollout, 2026-12-06: mean 0.016, max 0.051;
+# with the widened dequantize before: 0.008, 0.023), and still a third of the clean model's (mean 0.050).
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 7e-2)])
 def test_kv_view_rescoring_equals_the_fp8_cache_engine(random_params, dtype, tol):
   """The `kv` view's full forward (keys and values rounded by `kv_fake_quant`) re-scores the fp8
   cache engine's tokens to its own log-probs; the rounding is really there (the clean model differs)."""
@@ -235,6 +238,8 @@ def test_kv_view_rescoring_equals_the_fp8_cache_engine(random_params, dtype, tol
   batch = batch_from_rollout(r)
   assert _gap(token_logprobs(fp8, params, batch), batch) < tol
   assert _gap(token_logprobs(clean, params, batch), batch, np.mean) > {"float32": 1e-3, "bfloat16": 2e-2}[dtype]
+  assert _gap(token_logprobs(clean, params, batch), batch, np.mean) > 2 * _gap(
+      token_logprobs(fp8, params, batch), batch, np.mean)
 
 
 # --- W8A16 ---------------------------------------------------------------------------------------
