@@ -94,6 +94,45 @@ def run_child(script: str, args: list[str], env_extra: dict[str, str] | None = N
   return json.loads(lines[-1][len(RESULT_TAG):])
 
 
+ROW_TAGS = ("ROW ", "COMPILED ")  # a child's partial results, one JSON a line, kept if it is cut short
+
+
+def run_streaming(cmd: list[str], env: dict, limit: float, prefix: str) -> dict:
+  """Runs a child under a time limit, echoing its lines (`prefix`ed) as they come: `{"returncode"
+  (None when killed at the limit), "result" (its RESULT, or None), "rows": {"ROW": [...], "COMPILED":
+  [...]}}`. Rows printed before a timeout or a crash are kept; the child's process group is killed."""
+  import signal
+  import threading
+
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+  got = {"result": None, "rows": {t.strip(): [] for t in ROW_TAGS}}
+
+  def read():
+    for line in proc.stdout:
+      line = line.rstrip("\n")
+      if line.startswith(RESULT_TAG):
+        got["result"] = json.loads(line[len(RESULT_TAG):])
+        continue
+      print(f"  [{prefix}] {line}", flush=True)
+      tag = next((t for t in ROW_TAGS if line.startswith(t)), None)
+      if tag:
+        try:
+          got["rows"][tag.strip()].append(json.loads(line[len(tag):]))
+        except ValueError:
+          pass
+
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
+  try:
+    got["returncode"] = proc.wait(timeout=max(limit, 1))
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    got["returncode"] = None
+  reader.join(timeout=10)
+  return got
+
+
 def command_line() -> str:
   return " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
 
@@ -101,6 +140,18 @@ def command_line() -> str:
 def cpu_description() -> str:
   mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
   return f"{os.cpu_count()}-core {platform.machine()} CPU, {mem_gib:.0f} GiB"
+
+
+def machine() -> str:
+  """The machine a result was measured on, for its result file: the accelerator jax runs on (its
+  device kind and jax version; none on a CPU backend) and the host. Call after importing jax."""
+  import jax
+
+  dev = jax.devices()[0]
+  host = cpu_description()
+  if dev.platform == "cpu":
+    return f"{host}, jax {jax.__version__} (CPU backend)"
+  return f"{dev.device_kind} ({dev.platform}, jax {jax.__version__}); host {host}"
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

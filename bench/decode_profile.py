@@ -31,6 +31,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 import rollout  # noqa: E402
 
 HBM_COPY_TB_S = 4.3  # an H200's device-to-device copy as measured on the lent machines (the device tool's KINDS.md)
@@ -142,7 +143,8 @@ def main() -> int:
   params = jax.jit(lambda k: jax.tree.map(lambda x: x.astype(jnp.dtype(spec["dtype"])), model.init(k)))(
       jax.random.key(0))
   n = spec["new"]
-  rep = {"bench": "decode_profile", "mode": args.mode, "device": jax.devices()[0].device_kind,
+  rep = {"bench": "decode_profile", "mode": args.mode, "machine": _common.machine(),
+         "device": jax.devices()[0].device_kind,
          "jax": jax.__version__, "shapes": rollout.shapes_line(spec), "unroll_layers": args.unroll_layers, "rows": []}
   for factor in (float(f) for f in args.batch_factors.split(",")):
     batch = max(1, int(spec["batch"] * factor))

@@ -61,7 +61,7 @@ OPD = opd_step.MODES["gpu"]
 ROLLOUT = {**rollout.MODES["gpu"], "repeats": 3, "hf_repeats": 1, "hf_warmup_new": 8}
 FILL = decode_fill.MODES["gpu"]
 DECODE = decode_steps.SPECS["gpu"]
-DECODE_PLAN = decode_steps.plan((16, 64, 256), w8a8_batches=(256,))
+DECODE_PLAN = decode_steps.TARGET_PLAN  # the target rows first (a part cut short keeps its rows)
 LOOP = {"student": ROLLOUT["model"], "teacher": OPD["teacher"], "vocab": OPD["vocab"], "dtype": "bfloat16",
         "batch": 64, "new": 128, "steps": 30, "num_eval": 64}
 
@@ -90,7 +90,9 @@ FP8_RECIPE = "fp8"  # views.perturb preset: every layer matrix fp8_e4m3 per chan
 # engine's decode layers are straight-line code now, and compile longer.
 BUDGET_S = 540  # the whole suite: 9 of the 15 minutes one H200 is lent for, a rerun's room left
 DRY_BUDGET_S = 170  # the dry run, under 3 minutes
-PART_LIMITS_S = {"opd_jax": 80, "opd_torch": 40, "engine": 100, "decode": 150, "decode_fill": 30, "rollout_hf": 40,
+# In run order: decode first (its rows decide the open targets), each later part gets its limit or what is left
+# of the budget, whichever is less.
+PART_LIMITS_S = {"decode": 240, "engine": 100, "opd_jax": 80, "opd_torch": 40, "decode_fill": 30, "rollout_hf": 40,
                  "loop": 100}
 
 TARGETS = {  # from the issue (one H200)
@@ -114,7 +116,8 @@ def _count(tree) -> int:
 
 def _versions() -> dict:
   import jax
-  return {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "backend": jax.default_backend()}
+  return {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+          "machine": _common.machine()}
 
 
 def part_opd_jax(dry: bool, opts) -> dict:
@@ -249,7 +252,9 @@ def part_decode(dry: bool, opts) -> dict:
   """The decode step per variant and batch against its floor (bench/decode_steps.py)."""
   if dry:
     return {"lowered": decode_steps.lower_all(DECODE, DECODE_PLAN), **_versions()}
-  return {"rows": decode_steps.run_all(DECODE, DECODE_PLAN, trace_batch=DECODE_PLAN[1][1]), **_versions()}
+  rows = decode_steps.run_all(DECODE, DECODE_PLAN, trace_batch=64 if MODE == "gpu" else None)
+  return {"rows": rows, "compiled": [{k: r[k] for k in ("variant", "batch", "compile_s")} for r in rows],
+          **_versions()}
 
 
 def part_rollout_hf(dry: bool, opts) -> dict:
@@ -259,7 +264,9 @@ def part_rollout_hf(dry: bool, opts) -> dict:
 
 
 def loop_command(student: str, teacher: str, out: str) -> list[str]:
-  return ["opdjax", "train", "--config", "configs/demo.py", "--out", out, f"--config.student.path={student}",
+  # `python -m opdjax.cli`: the repo travels to the GPU uninstalled, without an `opdjax` executable.
+  return [sys.executable, "-m", "opdjax.cli", "train", "--config", "configs/demo.py", "--out", out,
+          f"--config.student.path={student}",
           f"--config.teacher.path={teacher}", f"--config.model.dtype={LOOP['dtype']}",
           "--config.model.remat_policy=full",
           f"--config.rollout.batch_size={LOOP['batch']}", f"--config.rollout.max_new_tokens={LOOP['new']}",
@@ -291,7 +298,8 @@ def part_loop(dry: bool, opts) -> dict:
   tmp = tempfile.mkdtemp(prefix="gpu-suite-loop-")
   paths = {role: os.path.join(tmp, role) for role in ("student", "teacher")}
   cmd = loop_command(paths["student"], paths["teacher"], os.path.join(tmp, "run"))
-  out = {"command": " ".join(cmd[:4] + ["--out DIR", "--config.student.path=S", "--config.teacher.path=T"] + cmd[8:]),
+  out = {"command": " ".join(["python"] + cmd[1:6] + ["--out DIR", "--config.student.path=S", "--config.teacher.path=T"]
+                             + cmd[10:]),
          **_versions()}
   if dry:
     return out
@@ -334,7 +342,7 @@ def part_loop(dry: bool, opts) -> dict:
   return out
 
 
-PARTS = {"opd_jax": part_opd_jax, "opd_torch": part_opd_torch, "engine": part_engine, "decode": part_decode,
+PARTS = {"decode": part_decode, "engine": part_engine, "opd_jax": part_opd_jax, "opd_torch": part_opd_torch,
          "decode_fill": part_decode_fill, "rollout_hf": part_rollout_hf, "loop": part_loop}
 
 
@@ -370,7 +378,7 @@ def empty_report(dry: bool, remat: str, smoke: bool = False, budget: float | Non
       "decode_steps": {"shapes": decode_steps.shapes_line(DECODE), "steps_per_call": DECODE["steps"],
                        "fill": "prompt + new / 2 of prompt + new slots",
                        "copy_tb_s": decode_steps.decode_profile.HBM_COPY_TB_S,
-                       "plan": [f"{v}@{b}" for v, b in DECODE_PLAN], "rows": [], "lowered": None,
+                       "plan": [f"{v}@{b}" for v, b in DECODE_PLAN], "rows": [], "compiled": [], "lowered": None,
                        "fp8_kv_speedup_b64": None, "fp8_kv_w8a16_speedup_b64": None},
       "loop": {"shapes": (f"student {LOOP['student']}, teacher {LOOP['teacher']}, vocab {LOOP['vocab']},"
                           f" {LOOP['dtype']}; {LOOP['batch']} rollouts x {LOOP['new']} new tokens a step,"
@@ -406,6 +414,7 @@ def fill_report(rep: dict, results: dict) -> dict:
       rep["versions"][k] = r.get(k, rep["versions"][k])
     if r.get("device") and r.get("backend"):
       rep["device"], rep["backend"] = r["device"], r["backend"]
+    rep["machine"] = r.get("machine", rep["machine"])
 
   if "opd_jax" in results:
     r, o = results["opd_jax"], rep["opd_step"]["opdjax"]
@@ -457,7 +466,7 @@ def fill_report(rep: dict, results: dict) -> dict:
       rep["compile_s"]["decode_fill_loop"] = round(fill["compile_s"], 2)
   if "decode" in results:
     d, r = rep["decode_steps"], results["decode"]
-    d["lowered"], d["rows"] = r.get("lowered"), r.get("rows", [])
+    d["lowered"], d["rows"], d["compiled"] = r.get("lowered"), r.get("rows", []), r.get("compiled", [])
     at = {(x["variant"], x["batch"]): x for x in d["rows"]}
     speed = lambda v: (at[(v, 64)]["new_tokens_per_s"] / at[("bf16", 64)]["new_tokens_per_s"]
                        if (v, 64) in at and ("bf16", 64) in at else None)
@@ -575,6 +584,8 @@ def decode_markdown(rep: dict, f, met) -> list[str]:
           f"- batch 64 >= 35,000 new tokens/s: {met(tg['decode_b64_tokens_per_s_ge_35000'])}; <= 2.3x the floor:"
           f" {met(tg['decode_b64_x_floor_le_2.3'])}; batch 256 >= 65,000:"
           f" {met(tg['decode_b256_tokens_per_s_ge_65000'])}",
+          "- compiled first, in parallel (s): " + (", ".join(f"{c['variant']}@{c['batch']} {c['compile_s']:.1f}"
+                                                          for c in d.get("compiled") or []) or "n/a"),
           f"- fp8 KV cache at batch 64: {f(d['fp8_kv_speedup_b64'], '{:.2f}x')} bf16; fp8 KV + W8A16:"
           f" {f(d['fp8_kv_w8a16_speedup_b64'], '{:.2f}x')} (target >= 1.3x:"
           f" {met(tg['fp8_kv_w8a16_speedup_b64_ge_1.3'])})", ""]
@@ -583,6 +594,8 @@ def decode_markdown(rep: dict, f, met) -> list[str]:
 # --- parent --------------------------------------------------------------------------------------
 
 def run_part(name: str, dry: bool, opts, limit: float) -> tuple[dict | None, dict]:
+  """One part in its own process under `limit` seconds. Rows it printed (`ROW` / `COMPILED` lines: the
+  decode part's measured rows and compile seconds) are kept when it runs out of time or fails."""
   cmd = [sys.executable, os.path.abspath(__file__), "--part", name, "--remat", opts.remat, "--attention",
          opts.attention]
   cmd += (["--dry-run"] if dry else []) + (["--smoke"] if opts.smoke else [])
@@ -590,22 +603,16 @@ def run_part(name: str, dry: bool, opts, limit: float) -> tuple[dict | None, dic
   if dry or opts.smoke:
     env.setdefault("JAX_PLATFORMS", "cpu")
   t0 = time.perf_counter()
-  status = {"status": "ok", "seconds": None, "error": None}
-  result = None
-  try:
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=max(limit, 1))
-    lines = proc.stdout.splitlines()
-    for line in lines:
-      if not line.startswith(_common.RESULT_TAG):
-        print(f"  [{name}] {line}", flush=True)
-    found = [line for line in lines if line.startswith(_common.RESULT_TAG)]
-    if proc.returncode or not found:
-      status.update(status="failed", error=f"exit code {proc.returncode}; see its stderr above")
-    else:
-      result = json.loads(found[-1][len(_common.RESULT_TAG):])
-  except subprocess.TimeoutExpired:
+  got = _common.run_streaming(cmd, env, limit, name)
+  status = {"status": "ok", "seconds": round(time.perf_counter() - t0, 1), "error": None}
+  result = got["result"]
+  if got["returncode"] is None:
     status.update(status="timed out", error=f"killed after {limit:.0f} s")
-  status["seconds"] = round(time.perf_counter() - t0, 1)
+  elif got["returncode"] or result is None:
+    status.update(status="failed", error=f"exit code {got['returncode']}; see its stderr above")
+  if result is None and (got["rows"]["ROW"] or got["rows"]["COMPILED"]):
+    result = {"rows": got["rows"]["ROW"], "compiled": got["rows"]["COMPILED"], "partial": True}
+    status["error"] += f"; kept the {len(got['rows']['ROW'])} rows it printed"
   return result, status
 
 
@@ -656,7 +663,8 @@ def main() -> int:
       results[name] = result
   fill_report(rep, results)
   rep["wall_s"] = round(time.perf_counter() - start, 1)
-  rep["machine"] = opts.machine or f"{rep['device'] or 'no device'}; host {_common.cpu_description()}"
+  # What the parts' own processes ran on (their accelerator, jax and host), else this host.
+  rep["machine"] = opts.machine or rep["machine"] or f"no part reported; host {_common.cpu_description()}"
 
   out_dir = os.environ.get("OUT") or os.path.join(BENCH, "results")
   os.makedirs(out_dir, exist_ok=True)

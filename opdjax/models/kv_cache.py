@@ -11,10 +11,10 @@ are left-padded, so every row writes the same slot (`index`) at each step: one i
 Row b's filled slots are `[start_b, index]` after a step wrote slot `index`; `attention` attends over
 exactly those. `decode_attention` (one query row) is the one entry point a decode step calls,
 dispatched by platform (`lax.platform_dependent`, so one multi-platform export carries every
-branch). Every platform runs the XLA reference today: on a GPU the choice of a kernel waits for the
-lent GPU's measurement of this path against the memory floor (bench/decode_profile.py), which the
-layout change was made to reach; a kernel goes behind this same dispatcher and is tested against the
-reference.
+branch): on CUDA a Pallas kernel that reads only the filled slots (opdjax.models.decode_kernel, where
+the cache's shape fits it), elsewhere the XLA reference, which reads the whole buffer under a mask.
+Both read an fp8 cache as a plain convert of its stored bits and put the per-token scales on the
+scores (k_scale) and the probabilities (v_scale): no scaled, widened copy of the cache is formed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from opdjax.models import attention as training_attention
-from opdjax.models import quant
+from opdjax.models import decode_kernel, quant
 from opdjax.models.config import ModelConfig
 from opdjax.models.layers import kv_dequantize, kv_fake_quant, kv_quantize
 
@@ -97,22 +97,38 @@ def read(layer: dict, name: str, dtype, cfg: ModelConfig) -> jax.Array:
   return kv_dequantize(x, None if scale is None else scale[..., None], dtype)
 
 
+def operand(layer: dict, name: str, dtype, cfg: ModelConfig) -> jax.Array:
+  """Keys or values `[B, K, S, E]` as an attention dot's operand: a plain convert of what is stored (an
+  fp8 cache's bits as fp8, unscaled; `attention_reference` applies the scales to scores and
+  probabilities), which XLA can fuse into the dot instead of writing a widened cache."""
+  x = layer[name]
+  if quantized(cfg):
+    x = jax.lax.bitcast_convert_type(x, quant.FP8_DTYPES[cfg.kv_quant])
+  return x.astype(dtype)
+
+
 def attention_reference(q_BxTxKxGxE, layer: dict, start_B, index, dtype, cfg: ModelConfig) -> jax.Array:
   """T queries at slots `[index, index + T)` against the cache (already holding their own keys):
   query t of row b attends over slots `[start_b, index + t]`. XLA dots over the whole buffer under
   that mask; fp32 scores and softmax; returns `[B, T, K, G, E]` in `dtype`. A query without a slot
-  (a padded position before its row's start) gets zeros."""
+  (a padded position before its row's start) gets zeros. An fp8 cache's per-token scales multiply
+  the scores (k_scale: q·(s k) = s (q·k)) and the normalised probabilities (v_scale: Σ p (s v) = Σ (p s) v)."""
   b, t, k, g, e = q_BxTxKxGxE.shape
-  keys, values = read(layer, "k", dtype, cfg), read(layer, "v", dtype, cfg)
+  keys, values = operand(layer, "k", dtype, cfg), operand(layer, "v", dtype, cfg)
+  k_scale, v_scale = (layer.get(n) for n in ("k_scale", "v_scale"))
   slot = jnp.arange(keys.shape[2])
   last = index + jnp.arange(t)
   valid_BxTxS = (slot[None, None, :] >= start_B[:, None, None]) & (slot[None, None, :] <= last[None, :, None])
   valid = valid_BxTxS[:, None, None]  # [B, 1, 1, T, S]
   s = jnp.einsum("btkge,bkse->bkgts", q_BxTxKxGxE, keys, preferred_element_type=jnp.float32) * (e ** -0.5)
+  if k_scale is not None:
+    s = s * k_scale[:, :, None, None, :]
   s = jnp.where(valid, s, _NEG_INF)
   p = jnp.where(valid, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
   norm = jnp.sum(p, axis=-1, keepdims=True)
   p = p / jnp.where(norm > 0, norm, 1.0)
+  if v_scale is not None:
+    p = p * v_scale[:, :, None, None, :]
   # Normalised, then multiplied by the values in `dtype`, as jax.nn.dot_product_attention's XLA path
   # does (and XLA:CPU cannot run a bf16 x bf16 -> f32 dot its fusion passes leave unfused).
   return jnp.einsum("bkgts,bkse->btkge", p.astype(dtype), values)
@@ -124,7 +140,11 @@ def decode_attention(q_BxKxGxE, layer: dict, start_B, index, dtype, cfg: ModelCo
   def reference(q, layer, start, index):
     return attention_reference(q[:, None], layer, start, index, dtype, cfg)[:, 0]
 
-  return jax.lax.platform_dependent(q_BxKxGxE, layer, start_B, index, cpu=reference, cuda=reference,
+  cuda = reference
+  if decode_kernel.fits(layer["k"].shape[2], cfg.head_dim):
+    fp8 = quant.FP8_DTYPES[cfg.kv_quant] if quantized(cfg) else None
+    cuda = lambda q, layer, start, index: decode_kernel.decode_attention(q, layer, start, index, dtype, fp8)
+  return jax.lax.platform_dependent(q_BxKxGxE, layer, start_B, index, cpu=reference, cuda=cuda,
                                     rocm=reference, tpu=reference, default=reference)
 
 
