@@ -97,7 +97,7 @@ def opd_loss(params, teacher_params, batch: TrainBatch, *, student: Model, teach
   """
   loss, terms = opd_terms(params, teacher_params, batch, student=student, teacher=teacher, loss_cfg=loss_cfg,
                           sampling=sampling)
-  return loss, opd_metrics(loss, terms, batch)
+  return loss, opd_metrics(loss, terms, batch, loss_cfg)
 
 
 def opd_terms(params, teacher_params, batch: TrainBatch, *, student: Model, teacher: Model, loss_cfg: LossConfig,
@@ -118,7 +118,7 @@ def opd_terms(params, teacher_params, batch: TrainBatch, *, student: Model, teac
                         jax.lax.stop_gradient(teacher.output_matrix(teacher_params)), *args)
 
 
-def opd_metrics(loss, terms: dict, batch: TrainBatch) -> dict[str, jax.Array]:
+def opd_metrics(loss, terms: dict, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, jax.Array]:
   """The step's metrics from the whole batch's per-token terms (the same with or without micro-batches)."""
   mask = batch["loss_mask"]
   lp_s, lp_t = terms["student_logprobs"], terms["teacher_logprobs"]
@@ -166,7 +166,7 @@ def train_step(state: TrainState, teacher_params, batch: TrainBatch, *, student:
   fn = functools.partial(opd_terms, student=student, teacher=teacher, loss_cfg=loss_cfg, sampling=sampling)
   grads, loss, terms = accumulate_gradients(jax.value_and_grad(fn, has_aux=True), state.params, teacher_params,
                                             batch, micro_batches)
-  return apply_gradients(state, grads, opd_metrics(loss, terms, batch), optimizer, skip_nonfinite)
+  return apply_gradients(state, grads, opd_metrics(loss, terms, batch, loss_cfg), optimizer, skip_nonfinite)
 
 
 def accumulate_gradients(grad_fn, params, teacher_params, batch: TrainBatch, micro_batches: int):
