@@ -39,7 +39,8 @@ class Teacher:
   route answers (`route_rows`), `score(rollout, refs)`, the same teacher at the trainer's precision
   (`reference`, `check`: teacher.check_every) and one server alone (`replica`: the pre-flight's).
 
-  The placement's value is compared here and in the config (Config.teacher_placement) only."""
+  The placement's value is read here (what it provides, its name) and compared in the config alone
+  (Config.teacher_served, teacher_on_engine): nothing else in the package asks which placement a run has."""
 
   def __init__(self, cfg, deployment, task, *, vocab_size: int, placement, out_dir: str | None):
     self.cfg, self.deployment, self.task, self.vocab_size = cfg, deployment, task, vocab_size
@@ -50,7 +51,7 @@ class Teacher:
     self.folder = None
     self._reference: dict = {}  # tag -> its teacher's Model at the trainer's precision (check, pre-flight)
     self._lock = threading.Lock()
-    if self.kind == "served":
+    if self.served:
       self.folder, self.model_cfg = teacher_folder(cfg, task)
       self.routes = route_targets(cfg, task)
       k = self.topk
@@ -64,15 +65,15 @@ class Teacher:
 
   @property
   def served(self) -> bool:
-    return self.kind == "served"
+    return self.cfg.teacher_served
 
   @property
   def on_engine(self) -> bool:
-    return self.kind == "engine"
+    return self.cfg.teacher_on_engine
 
   @property
   def in_trainer(self) -> bool:
-    return self.kind == "trainer"
+    return not (self.served or self.on_engine)
 
   @property
   def where(self) -> str:
