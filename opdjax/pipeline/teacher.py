@@ -260,6 +260,11 @@ class Teacher:
 
 
 
+def placed_away(cfg) -> str | None:
+  """Where the config places the teacher, in words, when that is not the trainer (None: in the trainer)."""
+  return None if not (cfg.teacher_served or cfg.teacher_on_engine) else PLACEMENT_NAMES[cfg.teacher_placement]
+
+
 def take_rows(rollout, rows):
   """The rows `rows` of a rollout, on the host."""
   return jax.tree.map(lambda x: np.asarray(x)[rows], rollout)
