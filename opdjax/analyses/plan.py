@@ -142,8 +142,9 @@ def measure(plan: Plan) -> dict:
   optimizer = make_optimizer(OptimConfig())
   state_sh = train_step_shardings(place, s_params, None, optimizer)[0][0]
   state = _with_shardings(jax.eval_shape(lambda p: TrainState.create(p, optimizer), s_params), state_sh)
-  sides = {"train": plan.placement == "served"}
-  if plan.placement == "served":
+  served = plan.teacher_serve == "vllm"  # (teacher.serve's value: the placement is the seam's to compare)
+  sides = {"train": served}
+  if served:
     sides["train_teacher_in_trainer"] = False  # the alternative, compiled beside it
   out, compile_s = {}, {}
   for key, served in sides.items():

@@ -110,6 +110,16 @@ class Config:
       return "served"
     return "engine" if self.rollout.teacher_scoring == "engine" else "trainer"
 
+  @property
+  def teacher_served(self) -> bool:
+    """The teacher scores each rollout on its own vLLM servers (teacher.serve='vllm')."""
+    return self.teacher_placement == "served"
+
+  @property
+  def teacher_on_engine(self) -> bool:
+    """The JAX engine's process scores the teacher (rollout.teacher_scoring='engine')."""
+    return self.teacher_placement == "engine"
+
   def _check_teacher_placement(self) -> None:
     """The objective against what the teacher's placement gives (opdjax.training.loss.PROVIDES)."""
     from opdjax.training.loss import refusal

@@ -15,34 +15,46 @@ from opdjax.models.vocab import check_pair, shared_vocab
 from opdjax.rollout.vllm.teacher import URL_PREFIXES
 from opdjax.tasks.addition import AdditionTask
 from opdjax.tasks.demo_models import cached_sft_model
+from opdjax.tasks.interface import Task
 from opdjax.tasks.prompts import PromptsTask
 
 
-def make_task(cfg):
-  if cfg.task.name == "addition":
-    task = AdditionTask(cfg.task.max_digits, num_eval=cfg.task.num_eval, answer_format=cfg.task.answer)
-    total = task.max_prompt_tokens + task.max_answer_tokens
-    if task.answer_format == "worked" and (cfg.rollout.max_new_tokens < task.max_answer_tokens
-                                           or cfg.rollout.max_len < total):
-      raise UserError(f"task.answer={cfg.task.answer!r} with task.max_digits={cfg.task.max_digits} has answers of up"
-                      f" to {task.max_answer_tokens} tokens after prompts of up to {task.max_prompt_tokens}: give"
-                      f" rollout.max_new_tokens >= {task.max_answer_tokens} and rollout.max_len >= {total} (now"
-                      f" {cfg.rollout.max_new_tokens} and {cfg.rollout.max_len}).")
-    return task
-  if cfg.task.name == "prompts":
-    if not cfg.teacher.path:
-      raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
-    if cfg.task.dataset:  # the student's tokenizer (and chat template) renders the prompts it samples from
-      from opdjax.tasks.dataset import DatasetTask
+def _addition_task(cfg) -> AdditionTask:
+  task = AdditionTask(cfg.task.max_digits, num_eval=cfg.task.num_eval, answer_format=cfg.task.answer)
+  total = task.max_prompt_tokens + task.max_answer_tokens
+  if task.answer_format == "worked" and (cfg.rollout.max_new_tokens < task.max_answer_tokens
+                                         or cfg.rollout.max_len < total):
+    raise UserError(f"task.answer={cfg.task.answer!r} with task.max_digits={cfg.task.max_digits} has answers of up"
+                    f" to {task.max_answer_tokens} tokens after prompts of up to {task.max_prompt_tokens}: give"
+                    f" rollout.max_new_tokens >= {task.max_answer_tokens} and rollout.max_len >= {total} (now"
+                    f" {cfg.rollout.max_new_tokens} and {cfg.rollout.max_len}).")
+  return task
 
-      return DatasetTask(cfg.task, resolve(cfg.student.path or cfg.teacher.path),
-                         cfg.rollout.max_len - cfg.rollout.max_new_tokens)
-    path = cfg.task.path
-    if path.startswith("builtin:"):  # prompts shipped with opdjax (opdjax/data/NAME.jsonl)
-      path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", path[len("builtin:"):] + ".jsonl")
-    return PromptsTask(path, resolve(cfg.teacher.path), cfg.task.num_eval, cfg.task.chat_template,
-                       cfg.rollout.max_len - cfg.rollout.max_new_tokens)
-  raise UserError(f"task.name={cfg.task.name!r}: choose 'addition' or 'prompts'.")
+
+def _prompts_task(cfg) -> PromptsTask:
+  """A JSONL file (task.path; 'builtin:NAME': opdjax/data/NAME.jsonl) encoded with the teacher's tokenizer, or
+  a dataset (task.dataset) rendered with the student's (and its chat template)."""
+  if not cfg.teacher.path:
+    raise UserError("task.name='prompts' needs teacher.path: an HF folder whose tokenizer encodes the prompts.")
+  room = cfg.rollout.max_len - cfg.rollout.max_new_tokens
+  if cfg.task.dataset:
+    from opdjax.tasks.dataset import DatasetTask
+
+    return DatasetTask(cfg.task, resolve(cfg.student.path or cfg.teacher.path), room)
+  path = cfg.task.path
+  if path.startswith("builtin:"):
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", path[len("builtin:"):] + ".jsonl")
+  return PromptsTask(path, resolve(cfg.teacher.path), cfg.task.num_eval, cfg.task.chat_template, room)
+
+
+TASKS = {"addition": _addition_task, "prompts": _prompts_task}  # task.name -> its builder
+
+
+def make_task(cfg) -> Task:
+  """The run's task (opdjax.tasks.interface.Task), built by `task.name`'s entry of TASKS."""
+  if cfg.task.name not in TASKS:
+    raise UserError(f"task.name={cfg.task.name!r}: choose one of {', '.join(map(repr, TASKS))}.")
+  return TASKS[cfg.task.name](cfg)
 
 
 def prune_layers(model_cfg: ModelConfig, params, keep: str):
@@ -95,9 +107,6 @@ def route_targets(cfg, task) -> dict:
   table = cfg.teacher.route_table
   if not table:
     return {}
-  if not hasattr(task, "check_tags"):
-    raise UserError(f"teacher.routes routes prompts by their tag; task.name={cfg.task.name!r} has no tags: use"
-                    " task.name='prompts' with a \"tag\" on every JSONL line.")
   task.check_tags([tag for tag, _ in table])
   out = {}
   for tag, target in table:

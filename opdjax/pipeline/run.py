@@ -154,7 +154,7 @@ def sigterm_as_interrupt():
 
 
 def _preflight(session: Session) -> None:
-  from opdjax.pipeline.teacher_preflight import preflight, report
+  from opdjax.pipeline.teacher_preflight import preflight, refusal, report
 
   if jax.process_count() > 1:
     raise UserError("teacher.preflight runs in one trainer process: run `opdjax admit --teacher` with this config"
@@ -162,9 +162,8 @@ def _preflight(session: Session) -> None:
   result = preflight(session.cfg, session=session, progress=False)
   print(report(result), file=sys.stderr)
   if not result["admitted"]:
-    raise UserError("teacher.preflight refused the served teacher (the table above): a figure exceeds the run's"
-                    " mismatch budget. Serve the teacher at a higher precision, drop the replica that disagrees, or"
-                    " leave teacher.preflight off to train anyway. Nothing was trained.")
+    raise UserError(f"teacher.preflight refused the served teacher (the table above): {refusal(result)} Nothing was"
+                    " trained.")
 
 
 def _resumable_changes(out_dir: str, old: dict, cfg: Config, early: bool = False) -> dict:

@@ -13,14 +13,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from opdjax import seeds
 from opdjax.errors import UserError
 from opdjax.pipeline.session import Session
 from opdjax.rollout import Rollout
 from opdjax.scoring.rescore import batch_from_rollout
-from opdjax.training.loss import PLACEMENT_NAMES
 from opdjax.views.history import ParamsHistory
 from opdjax.views.view import EngineView
 
@@ -159,32 +157,12 @@ class OpdObjective:
   def __init__(self, session: Session):
     self.session, self.step_fn = session, session.train_step("opd")
     self.teacher = session.teacher_side
-    self.check_every = session.cfg.teacher.check_every
 
   def prepare(self, rollout: Rollout, refs, step: int):
-    """Step `step`'s (0-based) inputs; a served teacher's check on the steps whose record number (step + 1)
-    teacher.check_every divides: the same steps in a resumed run, and none shifted by rollouts the guard
-    drops."""
-    batch, check = rescore_batch(rollout), {}
-    if self.teacher.served:
-      answer = self.teacher.score(rollout, refs)
-      if self.teacher.routes:  # (behind several processes: host copies of every row, a collective)
-        host = self.session.placement.host
-        check.update(route_metrics(self.session.task.tags(refs), host(answer["teacher_logprobs"]),
-                                   host(batch["loss_mask"])))
-      if self.check_every and (step + 1) % self.check_every == 0:  # teacher.check_every: the served teacher's own
-        check.update(self.teacher.check(batch, answer))
-      batch = {**batch, **answer}
-    if self.teacher.kind == "engine":
-      hidden = getattr(rollout, "teacher_hidden", None)
-      if hidden is None:  # the config checks rule this out; an engine built around them would land here
-        raise RuntimeError("rollout.teacher_scoring='engine', but the rollout engine returned no teacher hidden"
-                           " states (only the disaggregated JAX engine's process scores the teacher).")
-      if hidden.shape[:2] != batch["tokens"].shape:
-        raise RuntimeError(f"the engine's teacher hidden states {hidden.shape} do not line up with the batch's"
-                           f" tokens {batch['tokens'].shape}.")
-      batch = {**batch, "teacher_hidden": hidden}
-    return batch, lambda: {**accuracy(self.session.task.score(refs, rollout.completions())), **check}
+    """Step `step`'s (0-based) inputs: the re-scoring batch with the teacher's answer where its placement
+    brings one (Teacher.answer), and the record fields the rollout alone determines."""
+    batch, fields = self.teacher.answer(rescore_batch(rollout), rollout, refs, step)
+    return batch, lambda: {**accuracy(self.session.task.score(refs, rollout.completions())), **fields}
 
   def __call__(self, state, sample: Sample):
     state, metrics = self.step_fn(state, self.session.teacher_params, sample.inputs)
@@ -195,11 +173,12 @@ class GrpoObjective:
   """Verifier rewards, group-relative advantages, one jitted GRPO step (the baseline OPD is compared with)."""
 
   def __init__(self, session: Session):
+    from opdjax.pipeline.teacher import placed_away
     from opdjax.training import grpo
 
-    where = session.cfg.teacher_placement
-    if where != "trainer":
-      raise UserError(f"the teacher is placed {PLACEMENT_NAMES[where]} to score for the OPD"
+    where = placed_away(session.cfg)  # (before the session's teacher: a GRPO config is refused as it is read)
+    if where is not None:
+      raise UserError(f"the teacher is placed {where} to score for the OPD"
                       " loss; GRPO has no teacher: leave teacher.serve='trainer' and"
                       " rollout.teacher_scoring='trainer' for the GRPO objective.")
     self.grpo, self.session, self.step_fn = grpo, session, session.train_step("grpo")
@@ -214,18 +193,6 @@ class GrpoObjective:
     batch, adv = sample.inputs
     state, metrics = self.step_fn(state, batch, adv)
     return state, metrics, sample.score
-
-
-def route_metrics(tags, teacher_logprobs, mask) -> dict:
-  """Per routed teacher (teacher.routes): the rows it scored (`teacher_rows_TAG`) and its mean log-prob of the
-  sampled tokens (`teacher_logprob_TAG`, masked)."""
-  tags, lp, m = np.asarray(tags, dtype=object), np.asarray(teacher_logprobs), np.asarray(mask)
-  out = {}
-  for tag in sorted(set(tags)):
-    rows = tags == tag
-    out[f"teacher_rows_{tag}"] = int(rows.sum())
-    out[f"teacher_logprob_{tag}"] = float((lp[rows] * m[rows]).sum() / max(m[rows].sum(), 1.0))
-  return out
 
 
 def accuracy(score: float | None) -> dict:

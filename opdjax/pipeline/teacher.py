@@ -29,13 +29,19 @@ import numpy as np
 from opdjax.errors import UserError
 from opdjax.parallel import multihost
 from opdjax.pipeline.build import route_targets, teacher_folder
-from opdjax.training.loss import PROVIDES
+from opdjax.rollout.deploy import objective_topk, serve_teacher
+from opdjax.training.loss import PLACEMENT_NAMES, PROVIDES
 
 
 class Teacher:
-  """The run's teacher seen from the pipeline: `placement` and what it `provides`; for `served`, its
-  servers (started, or attached to, at the first `score` or at `start()`), `score(rollout, refs)` and
-  `check(batch, answer)` (teacher.check_every: against the same teacher at the trainer's precision)."""
+  """The run's teacher seen from the pipeline: its placement (`kind`, `where`: the placement in words) and
+  what it `provides`; `answer(batch, rollout, refs, step)`, the step's inputs with what the placement brings.
+  For `served`: its servers (started, or attached to, at the first `score` or at `start()`), the rows each
+  route answers (`route_rows`), `score(rollout, refs)`, the same teacher at the trainer's precision
+  (`reference`, `check`: teacher.check_every) and one server alone (`replica`: the pre-flight's).
+
+  The placement's value is read here (what it provides, its name) and compared in the config alone
+  (Config.teacher_served, teacher_on_engine): nothing else in the package asks which placement a run has."""
 
   def __init__(self, cfg, deployment, task, *, vocab_size: int, placement, out_dir: str | None):
     self.cfg, self.deployment, self.task, self.vocab_size = cfg, deployment, task, vocab_size
@@ -45,9 +51,9 @@ class Teacher:
     self._host = ""  # this host's name in its servers' log names (per_host on several hosts)
     self.routes: dict = {}  # teacher.routes: tag -> (its teacher's folder or None, its server's URL or None)
     self.folder = None
-    self._reference = None  # the served teacher at the trainer's precision (teacher.check_every)
+    self._reference: dict = {}  # tag -> its teacher's Model at the trainer's precision (check, pre-flight)
     self._lock = threading.Lock()
-    if self.kind == "served":
+    if self.served:
       self.folder, self.model_cfg = teacher_folder(cfg, task)
       self.routes = route_targets(cfg, task)
       k = self.topk
@@ -61,11 +67,50 @@ class Teacher:
 
   @property
   def served(self) -> bool:
-    return self.kind == "served"
+    return self.cfg.teacher_served
+
+  @property
+  def on_engine(self) -> bool:
+    return self.cfg.teacher_on_engine
+
+  @property
+  def in_trainer(self) -> bool:
+    return not (self.served or self.on_engine)
+
+  @property
+  def where(self) -> str:
+    return PLACEMENT_NAMES[self.kind]
+
+  def answer(self, batch: dict, rollout, refs, step: int) -> tuple[dict, dict]:
+    """Step `step`'s (0-based) re-scoring `batch` with what the placement brings to the OPD step, and the
+    step's record fields it measured. In the trainer: nothing (the step runs the teacher's layers). On the
+    engine's side: the teacher's hidden states the rollout carries. Served: its servers' answer on the
+    rollout (scored here, where the rollout was sampled), with teacher.routes each route's rows and mean
+    log-prob, and its check against the trainer's precision on the steps whose record number (step + 1)
+    teacher.check_every divides (the same steps in a resumed run, none shifted by rollouts a guard drops)."""
+    if self.on_engine:
+      hidden = getattr(rollout, "teacher_hidden", None)
+      if hidden is None:  # the config checks rule this out; an engine built around them would land here
+        raise RuntimeError("rollout.teacher_scoring='engine', but the rollout engine returned no teacher hidden"
+                           " states (only the disaggregated JAX engine's process scores the teacher).")
+      if hidden.shape[:2] != batch["tokens"].shape:
+        raise RuntimeError(f"the engine's teacher hidden states {hidden.shape} do not line up with the batch's"
+                           f" tokens {batch['tokens'].shape}.")
+      return {**batch, "teacher_hidden": hidden}, {}
+    if not self.served:
+      return batch, {}
+    answer, fields = self.score(rollout, refs), {}
+    if self.routes:  # (behind several processes: host copies of every row, a collective)
+      host = self.placement.host
+      fields.update(route_metrics(self.task.tags(refs), host(answer["teacher_logprobs"]), host(batch["loss_mask"])))
+    every = self.cfg.teacher.check_every
+    if every and (step + 1) % every == 0:
+      fields.update(self.check(batch, answer))
+    return {**batch, **answer}, fields
 
   @property
   def topk(self) -> int:
-    return self.cfg.loss.topk if self.cfg.loss.kind == "topk_rkl" else 0
+    return objective_topk(self.cfg)
 
   # --- a served teacher's servers ---
 
@@ -95,14 +140,9 @@ class Teacher:
     return self.routes or {None: (self.folder, None)}
 
   def _serve(self, tag, folder, url=None, token=None):
-    from opdjax.rollout.deploy import serve_teacher
-
     kw = {"vocab_size": self.vocab_size, "out_dir": self.out_dir,
           "batch_size": max(self.cfg.rollout.batch_size, len(self.task.eval_set()[0]))}
-    name = "teacher" if tag is None else f"teacher-{tag}"
-    if self._host:  # per_host on several hosts: each host's servers log to a file of their own on a shared OUT
-      name += f"-{self._host}"
-    return serve_teacher(self.deployment, self.cfg, folder, url=url, token=token, name=name, **kw)
+    return serve_teacher(self.deployment, self.cfg, folder, url=url, token=token, name=self.name(tag), **kw)
 
   def _start_here(self) -> None:
     for tag, (folder, url) in self._targets().items():
@@ -157,37 +197,91 @@ class Teacher:
     if not self.routes:
       local = self.servers[None].score(rollout)
     else:
-      tags = np.asarray(self.task.tags(refs), dtype=object)
-      tags = tags[rows] if spmd else tags
-      local = None
-      for tag, teacher in self.servers.items():
-        mine = np.flatnonzero(tags == tag)
+      n, local = rollout.prompt_tokens.shape[0], None
+      for tag, mine in self.route_rows(refs, rows if spmd else slice(None)).items():
         if not len(mine):
           continue
-        answer = teacher.score(jax.tree.map(lambda x, mine=mine: np.asarray(x)[mine], rollout))
+        answer = self.servers[tag].score(take_rows(rollout, mine))
         if local is None:
-          local = {k: np.zeros((len(tags), *v.shape[1:]), v.dtype) for k, v in answer.items()}
+          local = {k: np.zeros((n, *v.shape[1:]), v.dtype) for k, v in answer.items()}
         for k, v in answer.items():
           local[k][mine] = v
     if not spmd:
       return local
     return {k: self.placement.batch(v, b) for k, v in local.items()}
 
-  def check(self, batch, answer) -> dict[str, float]:
-    """`teacher_mismatch_*` of a served teacher's `answer` on `batch` against the same teacher at the trainer's
-    precision (opdjax.training.teacher_check), its params loaded for this check only and dropped after."""
+  def route_rows(self, refs, rows=slice(None)) -> dict:
+    """tag -> the indices, among the batch's `rows` (this process's), of the rows that tag's teacher answers:
+    each prompt's tag picks its route (teacher.routes; `refs`: the batch's, as the task gave them; None: the
+    held-out prompts); the one teacher (tag None) answers every row."""
+    tags = np.asarray(self.task.tags(refs), dtype=object)[rows]
+    if not self.routes:
+      return {None: np.arange(len(tags))}
+    return {tag: np.flatnonzero(tags == tag) for tag in self._targets()}
+
+  def name(self, tag) -> str:
+    """A route's teacher as its servers' log and messages name it."""
+    name = "teacher" if tag is None else f"teacher-{tag}"
+    # per_host on several hosts: each host's servers log to a file of their own on a shared OUT
+    return f"{name}-{self._host}" if self._host else name
+
+  def reference(self, tag=None):
+    """(Model, params) of `tag`'s teacher at the trainer's precision, its params placed as the trainer's
+    (loaded for the caller alone: dropped after); None where only a server's URL is known (a URL route)."""
     from opdjax.models import Model, load_hf_params
     from opdjax.models.config import ModelConfig
+
+    folder = self._targets()[tag][0]
+    if folder is None:
+      return None
+    if tag not in self._reference:  # the Model alone (no params): a check compiles once
+      self._reference[tag] = Model(ModelConfig.from_pretrained(folder).replace(dtype=self.cfg.model.dtype))
+    model = self._reference[tag]
+    return model, self.placement.params(load_hf_params(folder, model.cfg))
+
+  def check(self, batch, answer) -> dict[str, float]:
+    """`teacher_mismatch_*` of a served teacher's `answer` on `batch` against the same teacher at the trainer's
+    precision (opdjax.training.teacher_check)."""
     from opdjax.training.teacher_check import teacher_deviation
 
-    if self._reference is None:  # the Model alone (no params): the check compiles once
-      ref_cfg = ModelConfig.from_pretrained(self.folder)
-      self._reference = Model(ref_cfg.replace(dtype=self.cfg.model.dtype))
-    params = self.placement.params(load_hf_params(self.folder, self._reference.cfg))
-    return {k: float(v) for k, v in teacher_deviation(self._reference, params, batch, answer).items()}
+    model, params = self.reference()
+    return {k: float(v) for k, v in teacher_deviation(model, params, batch, answer).items()}
+
+  def replica(self, tag, url: str, most: int, rows: int):
+    """One server (`url`, started or attached by `start()`) of `tag`'s teacher alone, for up to `rows` rows
+    (the pre-flight asks each server on its own), answering its top-K: K as large as `most`, the vocabulary
+    and the server's --max-logprobs allow (its `topk`)."""
+    served = self.servers[tag]
+    limit = served.logprob_limit(url)
+    k = min(most, self.vocab_size, most if limit is None else limit)
+    return serve_teacher(self.deployment, self.cfg, None, url=url, token=served.token, topk=k,
+                         name=f"{self.name(tag)} (pre-flight)", vocab_size=self.vocab_size, batch_size=rows,
+                         out_dir=self.out_dir)
 
   def close(self) -> None:
     for teacher in self.servers.values():
       teacher.close()
     self.servers.clear()
 
+
+
+def placed_away(cfg) -> str | None:
+  """Where the config places the teacher, in words, when that is not the trainer (None: in the trainer)."""
+  return None if not (cfg.teacher_served or cfg.teacher_on_engine) else PLACEMENT_NAMES[cfg.teacher_placement]
+
+
+def take_rows(rollout, rows):
+  """The rows `rows` of a rollout, on the host."""
+  return jax.tree.map(lambda x: np.asarray(x)[rows], rollout)
+
+
+def route_metrics(tags, teacher_logprobs, mask) -> dict:
+  """Per routed teacher (teacher.routes): the rows it scored (`teacher_rows_TAG`) and its mean log-prob of the
+  sampled tokens (`teacher_logprob_TAG`, masked)."""
+  tags, lp, m = np.asarray(tags, dtype=object), np.asarray(teacher_logprobs), np.asarray(mask)
+  out = {}
+  for tag in sorted(set(tags)):
+    rows = tags == tag
+    out[f"teacher_rows_{tag}"] = int(rows.sum())
+    out[f"teacher_logprob_{tag}"] = float((lp[rows] * m[rows]).sum() / max(m[rows].sum(), 1.0))
+  return out

@@ -23,7 +23,6 @@ assumption, stated in its report, until a calibration of teacher-side noise meas
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 
@@ -42,7 +41,7 @@ def preflight(cfg, out_dir: str | None = None, budget_path: str | None = None, s
   from opdjax.pipeline.guard import load_run_budget
   from opdjax.pipeline.session import Session
 
-  if cfg.teacher_placement != "served":
+  if not cfg.teacher_served:
     raise UserError("opdjax admit --teacher admits a served teacher (teacher.serve=vllm); this config's teacher is"
                     " in the trainer, where it is its own reference.")
   path = budget_path or cfg.train.budget
@@ -55,15 +54,40 @@ def preflight(cfg, out_dir: str | None = None, budget_path: str | None = None, s
   try:
     budget = load_run_budget(path, session)
     probe, refs = _probe(session)
-    rows = _measure(session, probe, refs)
+    rows = measure(session.teacher_side, probe, refs)
   finally:
     if own:
       session.close()
+  return judge(rows, budget, os.path.abspath(path), int(probe.prompt_tokens.shape[0]))
+
+
+def verdict(row: dict, budget: float) -> tuple[float | None, str]:
+  """A server's figure (the largest it has) and its verdict against `budget`: 'unmeasured' where it has none
+  (a URL route alone: no folder for the reference, no replica to compare), which admits nothing."""
+  figures = [row[k] for k in FIGURES if row.get(k) is not None and not np.isnan(row[k])]
+  if not figures:
+    return None, "unmeasured"
+  figure = max(figures)
+  return figure, "admit" if figure <= budget else "refuse"
+
+
+def judge(rows: list[dict], budget: float, budget_path: str, probe_rows: int) -> dict:
+  """The admission: every server's figure and verdict, `admitted` when every server's is 'admit'."""
   for row in rows:
-    row["figure"] = max(row[k] for k in FIGURES if row.get(k) is not None)
-    row["verdict"] = "admit" if row["figure"] <= budget else "refuse"
-  return {"budget": budget, "budget_path": os.path.abspath(path), "probe_rows": int(probe.prompt_tokens.shape[0]),
-          "admitted": all(r["verdict"] == "admit" for r in rows), "servers": rows}
+    row["figure"], row["verdict"] = verdict(row, budget)
+  return {"budget": budget, "budget_path": budget_path, "probe_rows": probe_rows,
+          "admitted": bool(rows) and all(r["verdict"] == "admit" for r in rows), "servers": rows}
+
+
+def refusal(result: dict) -> str:
+  """Why `result` admits no teacher, and the fix, in one sentence."""
+  unmeasured = [r["teacher"] for r in result["servers"] if r["verdict"] == "unmeasured"]
+  if unmeasured:
+    return (f"{', '.join(unmeasured)} had nothing to be compared with (a route given as a URL alone has no folder"
+            " for the trainer-precision reference, and one server no replica): give the route its teacher's folder"
+            " (teacher.routes TAG=FOLDER), or leave teacher.preflight off to train anyway.")
+  return ("a figure exceeds the run's mismatch budget: serve the teacher at a higher precision, drop the replica"
+          " that disagrees, or leave teacher.preflight off to train anyway.")
 
 
 def _probe(session):
@@ -84,35 +108,30 @@ def _probe(session):
   return rollout, refs
 
 
-def _measure(session, rollout, refs) -> list[dict]:
-  import jax
-
-  from opdjax.models import Model, load_hf_params
-  from opdjax.models.config import ModelConfig
+def measure(teacher, rollout, refs) -> list[dict]:
+  """One row per server of every routed teacher (opdjax.pipeline.teacher.Teacher, the run's seam) on the
+  probe's rows its route answers: against the first server of its teacher, and against its reference."""
   from opdjax.pipeline.stages import rescore_batch
+  from opdjax.pipeline.teacher import take_rows
+  from opdjax.rollout.vllm.teacher import PROBE_K
   from opdjax.training.teacher_check import teacher_deviation
 
-  side = session.teacher_side
-  side.start()
-  batch = rescore_batch(rollout)
-  mask = np.asarray(batch["loss_mask"])
-  tags = np.asarray(session.task.tags(refs), dtype=object) if side.routes else None
+  teacher.start()
+  batch = {k: np.asarray(v) for k, v in rescore_batch(rollout).items()}
   rows = []
-  for tag, served in side.servers.items():
-    mine = np.arange(mask.shape[0]) if tag is None else np.flatnonzero(tags == tag)
+  for tag, mine in teacher.route_rows(refs).items():
     if not len(mine):
       continue
-    part = jax.tree.map(lambda x, mine=mine: np.asarray(x)[mine], rollout)
-    part_batch = {k: np.asarray(v)[mine] for k, v in batch.items()}
-    folder = side.folder if tag is None else side.routes[tag][0]
-    ref = None
-    if folder is not None:
-      ref_cfg = ModelConfig.from_pretrained(folder).replace(dtype=session.cfg.model.dtype)
-      ref = (Model(ref_cfg), load_hf_params(folder, ref_cfg))
+    part, part_batch = take_rows(rollout, mine), {k: v[mine] for k, v in batch.items()}
+    ref = teacher.reference(tag)
     first = None
-    for url in served.urls:
-      answer = _ask(served, url, part, session)
-      row = {"teacher": "teacher" if tag is None else f"teacher-{tag}", "url": url, "top_k": answer["k"],
+    for url in teacher.servers[tag].urls:
+      one = teacher.replica(tag, url, PROBE_K, len(mine))
+      try:
+        answer = {"k": one.topk, "arrays": one.score(part)}
+      finally:
+        one.close()
+      row = {"teacher": teacher.name(tag), "url": url, "top_k": answer["k"],
              "replica_half_sq": None, "replica_abs_max": None, "replica_topk_overlap": None,
              "half_sq": None, "topk_kl": None, "abs_max": None, "topk_overlap": None}
       if first is None:
@@ -127,25 +146,6 @@ def _measure(session, rollout, refs) -> list[dict]:
                     "topk_overlap": float(dev.get("teacher_mismatch_topk_overlap", np.nan))})
       rows.append(row)
   return rows
-
-
-def _ask(served, url: str, rollout, session) -> dict:
-  """One server's answer on `rollout` with its top-K (K as large as the probe, its vocabulary and its
-  --max-logprobs allow)."""
-  from opdjax.rollout.vllm.client import VllmClient
-  from opdjax.rollout.vllm.teacher import PROBE_K, ServedTeacher
-
-  client = VllmClient(url, token=served.token)
-  limit = client.config().get("model_config", {}).get("max_logprobs")
-  k = min(PROBE_K, session.student.cfg.vocab_size, PROBE_K if limit in (None, -1) else limit)
-  vcfg = dataclasses.replace(session.cfg.teacher.vllm, url="", urls=url, num_servers=1)
-  one = ServedTeacher(vcfg, None, max_len=session.cfg.rollout.max_len, batch_size=rollout.prompt_tokens.shape[0],
-                      topk=k, vocab_size=session.student.cfg.vocab_size, out_dir=session.out_dir,
-                      name=f"{served.name} (pre-flight)", token=served.token)
-  try:
-    return {"k": k, "arrays": one.score(rollout)}
-  finally:
-    one.close()
 
 
 def _replicas(first: dict, other: dict, mask) -> dict:
@@ -171,15 +171,20 @@ def report(result: dict) -> str:
   head = ("teacher", "url", "K", "vs reference: E[d^2]/2", "top-K KL", "max |d|", "replica: E[d^2]/2",
           "replica max |d|", "replica top-K overlap", "figure", "verdict")
   cells = [head]
+  result = judge(result["servers"], result["budget"], result["budget_path"], result["probe_rows"])  # derived here
+
+  def f(x):
+    return "-" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.3g}"
+
   for r in result["servers"]:
-    def f(x):
-      return "-" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.3g}"
     cells.append((r["teacher"], r["url"], str(r["top_k"]), f(r["half_sq"]), f(r["topk_kl"]), f(r["abs_max"]),
                   f(r["replica_half_sq"]), f(r["replica_abs_max"]), f(r["replica_topk_overlap"]), f(r["figure"]),
                   r["verdict"]))
   width = [max(len(c[i]) for c in cells) for i in range(len(head))]
   lines += ["  " + "  ".join(c[i].ljust(width[i]) for i in range(len(head))).rstrip() for c in cells]
-  verdict = "admitted" if result["admitted"] else "REFUSED"
-  lines += ["", f"  {verdict}: every figure must be <= the budget (the student's calibrated mismatch budget, the"
-            " same per-token KL scale; that the teacher may drift as far as the engine is this check's assumption)"]
+  lines += ["", f"  {'admitted' if result['admitted'] else 'REFUSED'}: every figure must be <= the budget (the"
+            " student's calibrated mismatch budget, the same per-token KL scale; that the teacher may drift as far"
+            " as the engine is this check's assumption)"]
+  if not result["admitted"]:
+    lines.append(f"  {refusal(result)}")
   return "\n".join(lines)

@@ -53,9 +53,10 @@ class Deployment:
   asynchronous JAX engine when `rollout.devices` gives it its own (None: every device / not chosen).
   `attached`: running vLLM servers attached to (() when opdjax starts its own). `engine_here`: this
   process drives the engine (a vLLM engine lives in process 0 only). `processes`: the trainer's.
-  `teacher`: where the teacher scores each rollout (Config.teacher_placement: trainer, engine, served;
-  opdjax.pipeline.teacher). `teacher_vllm`: a served teacher's section (None otherwise), resolved as its
-  servers run (`serve_teacher` starts them, or attaches to its `attached` URLs)."""
+  `teacher_served` / `teacher_on_engine`: the teacher scores each rollout on its own vLLM servers / in the
+  engine's process (Config.teacher_placement, read by the teacher seam, opdjax.pipeline.teacher; neither: in
+  the trainer). `teacher_vllm`: a served teacher's section (None otherwise), resolved as its servers run
+  (`serve_teacher` starts them, or attaches to its `attached` URLs)."""
 
   kind: str
   rollout: object
@@ -65,17 +66,9 @@ class Deployment:
   attached: tuple[str, ...] = ()
   engine_here: bool = True
   processes: int = 1
-  teacher: str = "trainer"
+  teacher_served: bool = False
+  teacher_on_engine: bool = False  # its hidden states come back with each rollout
   teacher_vllm: object = None
-
-  @property
-  def teacher_served(self) -> bool:
-    return self.teacher == "served"
-
-  @property
-  def teacher_on_engine(self) -> bool:
-    """The engine's process scores the teacher (its hidden states come back with each rollout)."""
-    return self.teacher == "engine"
 
   @property
   def one_engine(self) -> bool:
@@ -178,7 +171,7 @@ def resolve_servers(cfg):
 
   r, t = cfg.rollout, cfg.teacher
   return dataclasses.replace(cfg, rollout=dataclasses.replace(r, vllm=resolved(r.vllm, r.engine == "vllm")),
-                             teacher=dataclasses.replace(t, vllm=resolved(t.vllm, cfg.teacher_placement == "served")))
+                             teacher=dataclasses.replace(t, vllm=resolved(t.vllm, cfg.teacher_served)))
 
 
 def plan(cfg) -> Deployment:
@@ -212,7 +205,7 @@ def plan(cfg) -> Deployment:
       check_fp8(v.quantization or ("fp8" if v.recipe else ""), v.kv_cache_dtype, gpu_capabilities(v.gpus))
   return Deployment(r.engine, r, cores, None if trainer_devices is None else tuple(trainer_devices),
                     None if own_devices is None else tuple(own_devices), attached, engine_here, processes,
-                    cfg.teacher_placement, _plan_teacher(cfg, processes))
+                    cfg.teacher_served, cfg.teacher_on_engine, _plan_teacher(cfg, processes))
 
 
 def _plan_teacher(cfg, processes: int):
@@ -220,7 +213,7 @@ def _plan_teacher(cfg, processes: int):
   attached servers' URLs, log-prob mode and limit (checked by process 0; per_host: the URLs split evenly
   over the hosts), FP8 on FP8 GPUs for servers started here. Behind several processes the servers are
   process 0's (or each host's first process's), shared when they first score (opdjax.pipeline.teacher)."""
-  if cfg.teacher_placement != "served":
+  if not cfg.teacher_served:
     return None
   from opdjax.parallel.multihost import hosts
   from opdjax.rollout.vllm.teacher import check_teacher_servers
@@ -234,27 +227,31 @@ def _plan_teacher(cfg, processes: int):
                       " by host, in process order), or leave per_host off to share every URL.")
   urls = v.attached or tuple(x for _, x in cfg.teacher.route_table if x.startswith(URL_PREFIXES))
   if urls and jax.process_index() == 0:
-    check_teacher_servers(urls, v.api_key, topk=cfg.loss.topk if cfg.loss.kind == "topk_rkl" else 0,
-                          max_len=cfg.rollout.max_len)
+    check_teacher_servers(urls, v.api_key, topk=objective_topk(cfg), max_len=cfg.rollout.max_len)
   if not v.attached:  # servers started here (the one teacher's, or routes' folders): FP8 needs FP8 GPUs
     check_fp8(v.quantization or ("fp8" if v.recipe else ""), v.kv_cache_dtype, gpu_capabilities(v.gpus))
   return v
 
 
 def serve_teacher(d: Deployment, cfg, model_dir: str | None, *, vocab_size: int, batch_size: int, out_dir: str,
-                  url: str | None = None, token: str | None = None, name: str = "teacher"):
+                  url: str | None = None, token: str | None = None, name: str = "teacher", topk: int | None = None):
   """A served teacher of a Deployment with `teacher_served`: its servers started from `teacher.vllm` (serving
   `model_dir`), or the attached ones (`teacher.vllm.url(s)`, or `url`: a route's, or a comma-separated list of
   another process's servers, with their `token`); `batch_size`: the most rows one scoring sends; `name`: its
-  log (OUT/vllm-NAME.log) and its messages."""
+  log (OUT/vllm-NAME.log) and its messages; `topk`: the top-K it answers (None: the objective's)."""
   from opdjax.rollout.vllm.teacher import ServedTeacher
 
   if not d.teacher_served:
     raise ValueError("this Deployment scores the teacher in the trainer (teacher.serve='trainer').")
   vcfg = d.teacher_vllm if url is None else dataclasses.replace(d.teacher_vllm, url="", urls=url, num_servers=1)
   return ServedTeacher(vcfg, model_dir, max_len=cfg.rollout.max_len, batch_size=batch_size,
-                       topk=cfg.loss.topk if cfg.loss.kind == "topk_rkl" else 0, vocab_size=vocab_size,
+                       topk=objective_topk(cfg) if topk is None else topk, vocab_size=vocab_size,
                        out_dir=out_dir, name=name, token=token)
+
+
+def objective_topk(cfg) -> int:
+  """The top-K a served teacher answers for the objective (topk_rkl's loss.topk; 0: the sampled token only)."""
+  return cfg.loss.topk if cfg.loss.kind == "topk_rkl" else 0
 
 
 def describe_config(rcfg) -> str:

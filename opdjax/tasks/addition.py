@@ -18,6 +18,8 @@ import dataclasses
 
 import numpy as np
 
+from opdjax.errors import UserError
+
 PAD, BOS, EOS = 0, 1, 2
 _CHARS = "0123456789+="
 VOCAB_SIZE = 16  # 3 specials + 12 characters, rounded up
@@ -96,7 +98,7 @@ class AdditionTask:
     """A fixed held-out set (training prompts come from other seeds)."""
     return self.sample_pairs(np.random.default_rng(seed), n)
 
-  # --- the task interface the OPD loop uses (shared with PromptsTask) ---
+  # --- the task interface (opdjax.tasks.interface.Task) ---
 
   pad_id = PAD
   eos_ids = (EOS,)
@@ -114,3 +116,11 @@ class AdditionTask:
 
   def score(self, pairs, completions) -> float:
     return self.accuracy(pairs, completions)
+
+  def tags(self, pairs) -> list[None]:
+    """No prompt is tagged (`pairs`: a training batch's; None: the held-out set)."""
+    return [None] * len(self.eval_pairs(self.num_eval) if pairs is None else pairs)
+
+  def check_tags(self, known) -> None:
+    raise UserError("teacher.routes routes prompts by their tag; task.name='addition' has no tags: use"
+                    " task.name='prompts' with a \"tag\" on every JSONL line.")

@@ -95,3 +95,7 @@ class PromptsTask:
 
   def score(self, refs, completions) -> float | None:
     return None
+
+  def is_correct(self, ref, completion) -> bool:
+    raise UserError(f"{self.path}: prompts have no verifier to judge a completion; GRPO needs a task with one, e.g."
+                    " task.name=addition.")

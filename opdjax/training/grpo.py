@@ -98,7 +98,7 @@ def repeat_references(references, group_size: int):
 
 def verifier_rewards(task, references, completions: Sequence[Sequence[int]]) -> np.ndarray:
   """Rewards `[B]` fp32: 1 where `task.is_correct(reference, completion)`, else 0."""
-  if not hasattr(task, "is_correct"):
+  if not task.has_verifier:
     raise UserError(f"{type(task).__name__} has no verifier (is_correct); GRPO needs a task with one,"
                     " e.g. task.name=addition.")
   return np.asarray([float(task.is_correct(r, c)) for r, c in zip(references, completions)], np.float32)

@@ -242,7 +242,7 @@ register(Objective("jsd", lambda cfg: frozenset({FULL}),
 def feeds(placement: str, cfg: LossConfig) -> bool:
   """The teacher `placement` (a PROVIDES key) gives what objective `cfg` needs (a registered term too)."""
   objective = OBJECTIVES[cfg.kind]
-  return objective.needs(cfg) <= PROVIDES[placement] and (placement != "served" or objective.served is not None)
+  return objective.needs(cfg) <= PROVIDES[placement] and (FULL in PROVIDES[placement] or objective.served is not None)
 
 
 def fed_by(placement: str) -> list[str]:

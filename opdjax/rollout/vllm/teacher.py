@@ -92,6 +92,11 @@ class ServedTeacher:
     """The token its servers check (what another trainer process attaches with)."""
     return self.clients[0].token if self.clients else None
 
+  def logprob_limit(self, url: str) -> int | None:
+    """The --max-logprobs of its server at `url` (None: no limit)."""
+    limit = self.clients[self.urls.index(url)].config().get("model_config", {}).get("max_logprobs")
+    return None if limit in (None, -1) else limit
+
   def _check(self, client: VllmClient) -> None:
     check_server(client, self.name, topk=self.topk, max_len=self.max_len)
     theirs = self._probe_vocab(client)
