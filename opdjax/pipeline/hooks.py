@@ -166,7 +166,8 @@ class Progress(Hook):
     if carried_eval_keys(loop, rec):  # not measured at this step: the training batch's numbers
       return {k: f"{rec[k]:.4f}" for k in ("loss", "train_reverse_kl") if k in rec}
     ev = loop.last_eval or {}
-    return {k[:3]: f"{v:.4f}" for k, v in ev.items() if k != "eval_step"}
+    short = {"teacher_nll": "nll", "teacher_f1": "f1"}  # (two teacher_ keys: k[:3] would merge them)
+    return {short.get(k, k[:3]): f"{v:.4f}" for k, v in ev.items() if k != "eval_step"}
 
   def start(self, loop: Loop) -> None:
     if not self.enabled:

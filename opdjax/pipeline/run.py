@@ -61,8 +61,8 @@ class TrainResult:
       return f"the run was already complete at step {self.final_step}; nothing ran (raise train.steps to extend it)"
     first, last = self.records[0], self.records[-1]
     verb = f"resumed at step {self.start_step}, ran to" if self.resumed else "ran"
-    parts = [f"held-out {k} {first[k]:.4f} -> {last[k]:.4f}" for k in ("reverse_kl", "accuracy")
-             if k in first and k in last]
+    shown = ("reverse_kl", "teacher_nll", "teacher_f1", "accuracy")
+    parts = [f"held-out {k} {first[k]:.4f} -> {last[k]:.4f}" for k in shown if k in first and k in last]
     return f"{verb} step {self.final_step}: " + "; ".join(parts)
 
 

@@ -143,7 +143,7 @@ class Session:
     self.held_out = HeldOut(self.student, self.teacher, self.task, self.sampling, cfg.loss.chunk, cfg.seed,
                             {"max_len": cfg.rollout.max_len, "pad_id": self.task.pad_id,
                              "eos_ids": self.task.eos_ids, "placement": self.placement},
-                            served=self.teacher_side.score if self.teacher_side.served else None)
+                            served=self.teacher_side.score if self.teacher_side.served else None, cache_dir=out_dir)
     self._steps: dict = {}
     self._optimizers: dict = {}
 
