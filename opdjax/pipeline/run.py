@@ -87,6 +87,9 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
   that say what to run next."""
   cfg = resolve_servers(cfg)  # the servers' dtype and CUDA graphs as they will run: recorded, and resumes compare them
   check_installed(cfg.train.loggers)  # a tracker that is not installed: one line, before --out is touched
+  note = cfg.optim.note(cfg.train.steps)  # a schedule that does not fit the run: said, not refused
+  if note and jax.process_index() == 0:
+    print(note, file=sys.stderr)
   ckpt_dir = os.path.join(out_dir, "checkpoints")
   ours = is_run_dir(out_dir)
   check_out_dir(out_dir, "train", overwrite, own=ours)
