@@ -1,5 +1,5 @@
-"""Completion-length fields of a step's record (opdjax.pipeline.telemetry uses them; the loop adds them to
-every record). A module of its own: the loop imports it, and the telemetry hooks import the loop."""
+"""Completion-length and repetition fields of a step's record (opdjax.pipeline.telemetry uses them; the loop
+adds them to every record). A module of its own: the loop imports it, and the telemetry hooks import the loop."""
 
 from __future__ import annotations
 
@@ -17,14 +17,47 @@ def length_fields(completion_tokens, completion_mask, max_new_tokens: int, eos_i
           "truncated_frac": float(((lengths >= max_new_tokens) & ~eos).mean()), "eos_frac": float(eos.mean())}
 
 
+def repetition_fields(completion_tokens, completion_mask, eos_ids) -> dict[str, float]:
+  """How repetitive one step's completions are (EOS left out; rows of under 2 tokens left out):
+  `distinct_frac`, the mean share of a row's tokens that are distinct (24 spaces: 1/24), and
+  `repeat_ngram_frac`, the mean share of a row that its longest n-gram occurring twice covers (overlaps
+  count: 24 spaces: 23/24; a row with no repeated token: 0)."""
+  toks, mask = np.asarray(completion_tokens), np.asarray(completion_mask, bool)
+  eos = np.asarray(list(eos_ids) or [-1])
+  distinct, repeat = [], []
+  for row, m in zip(toks, mask):
+    t = row[m]
+    t = t[~np.isin(t, eos)]
+    if len(t) < 2:
+      continue
+    distinct.append(len(np.unique(t)) / len(t))
+    repeat.append(_longest_repeat(t) / len(t))
+  if not distinct:
+    return {}
+  return {"distinct_frac": float(np.mean(distinct)), "repeat_ngram_frac": float(np.mean(repeat))}
+
+
+def _longest_repeat(t: np.ndarray) -> int:
+  """The length of the longest run of tokens that occurs at two positions (overlapping allowed): the
+  longest run of equal tokens between `t` and `t` shifted by d, over every shift d."""
+  best = 0
+  for d in range(1, len(t) - best):
+    eq = np.concatenate([[False], t[d:] == t[:-d], [False]])
+    edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
+    if len(edges):
+      best = max(best, int((edges[1::2] - edges[::2]).max()))
+  return best
+
+
 def with_lengths(score, rollout, eos_ids):
-  """The step's score thunk (Sample.score) with the length fields added; read when the record is
-  flushed (after the next step is dispatched), as the verifier's score is."""
+  """The step's score thunk (Sample.score) with the length and repetition fields added; read when the
+  record is flushed (after the next step is dispatched), as the verifier's score is."""
   from opdjax.rollout.base import _host
 
   def thunk():
     out = score()
-    return {**out, **length_fields(_host(rollout.completion_tokens), _host(rollout.completion_mask),
-                                   rollout.sampling.max_new_tokens, eos_ids)}
+    toks, mask = _host(rollout.completion_tokens), _host(rollout.completion_mask)
+    return {**out, **length_fields(toks, mask, rollout.sampling.max_new_tokens, eos_ids),
+            **repetition_fields(toks, mask, eos_ids)}
 
   return thunk
