@@ -81,6 +81,10 @@ def main(argv=None) -> int:
   seeds = [int(s) for s in args.seeds.split(",")]
   os.makedirs(args.out, exist_ok=True)
   load0, t0 = os.getloadavg()[0], time.time()
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()  # what the runs import: read before they start
+  dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                         text=True).stdout.strip()
   run_seeds(args.out, seeds, args.set)
   runs = {s: read_seed(os.path.join(args.out, f"seed{s}")) for s in seeds}
   changes = {k: interval([runs[s]["change"][k] for s in seeds]) for k in MEASURES}
@@ -98,8 +102,7 @@ def main(argv=None) -> int:
       "verdict": "closer" if all(closer.values()) and not events else "not shown",
       "wall_s": round(time.time() - t0, 1), "load_average": {"start": round(load0, 1),
                                                              "end": round(os.getloadavg()[0], 1)},
-      "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                               text=True).stdout.strip(), "date": time.strftime("%Y-%m-%d"),
+      "commit": commit + ("+modified" if dirty else ""), "date": time.strftime("%Y-%m-%d"),
   }
   with open(os.path.join(args.out, "pair_recipe.json"), "w") as f:
     json.dump(result, f, indent=1)
