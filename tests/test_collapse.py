@@ -21,10 +21,12 @@ def test_repetition_fields_of_varied_and_collapsed_completions():
   toks = np.array([[5, 6, 7, 8, EOS, 0], [9] * 6, [4, 5, 4, 5, 4, EOS], [3, EOS, 0, 0, 0, 0]])
   mask = np.array([[1] * 5 + [0], [1] * 6, [1] * 6, [1, 1, 0, 0, 0, 0]], bool)
   got = repetition_fields(toks, mask, (EOS,))
-  # row 0: 4 distinct of 4, nothing repeated; row 1: 1 of 6, '9 9 9 9 9' twice (overlapping): 5/6;
-  # row 2: 2 of 5, '4 5 4' twice: 3/5; row 3: one token, left out
-  assert got["distinct_frac"] == pytest.approx(np.mean([1.0, 1 / 6, 2 / 5]))
-  assert got["repeat_ngram_frac"] == pytest.approx(np.mean([0.0, 5 / 6, 3 / 5]))
+  # 19 tokens, 8 distinct (5, 6, 7, 8, 9, 4, 3 and EOS); row 0: nothing repeated; row 1: '9 9 9 9 9' twice
+  # (overlapping): 5/6; row 2: '4 5 4' twice: 3/5; row 3: one token besides EOS: 0
+  assert got["distinct_frac"] == pytest.approx(8 / 19)
+  assert got["repeat_ngram_frac"] == pytest.approx(np.mean([0.0, 5 / 6, 3 / 5, 0.0]))
+  bare = repetition_fields(np.full((4, 3), EOS), np.array([[1, 0, 0]] * 4, bool), (EOS,))
+  assert bare == {"distinct_frac": 0.25, "repeat_ngram_frac": 0.0}  # a batch of bare EOS: 1 distinct in 4
 
 
 def _feed(guard, loop, values, start=1):
@@ -67,3 +69,28 @@ def test_the_collapse_guard_reference_survives_a_checkpoint():
   fresh = CollapseGuardHook("warn", 0.5, 2)
   a, b = (_feed(g, loop, [(0.1, 0.05)], start=4)[0] for g in (resumed, fresh))
   assert "collapse_guard_event" in a and "collapse_guard_event" not in b  # fresh: that window is its reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["warn", "halt"])
+def test_a_collapsing_demo_run_warns_and_halts_when_asked(demo_cache, tmp_path, capsys, policy):
+  """The demo at learning rate 1.0 (200x its own) collapses within a few steps: every completion a bare EOS,
+  entropy 0 (measured: steps 1-3 entropy 1.8-2.4, steps 4-30 entropy 0, held-out NLL on the teacher's answers
+  1.53 -> 847). The guard warns and the run goes on, or halts, checkpointed."""
+  from opdjax import cli
+
+  out = tmp_path / "run"
+  rc = cli.main(["train", "--config", "configs/demo.py", "--out", str(out), "--config.optim.learning_rate=1.0",
+                 "--config.train.steps=7", "--config.train.eval_every=7", "--config.task.num_eval=16",
+                 "--config.train.collapse_guard_window=2", f"--config.train.collapse_guard={policy}"])
+  err = capsys.readouterr().err
+  recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+  fired = [r for r in recs if "collapse_guard_event" in r]
+  assert len(fired) == 1 and "collapse: entropy" in fired[0]["collapse_guard_event"], err
+  assert fired[0]["collapse_guard_entropy"] < 0.5 * fired[0]["entropy"] or fired[0]["entropy"] < 0.1
+  if policy == "warn":
+    assert rc == 0 and recs[-1]["step"] == 7 and "collapse guard: collapse: entropy" in err
+  else:
+    assert rc == 2 and f"collapse guard: at step {fired[0]['step']}" in err and "halted" in err
+    assert recs[-1]["step"] == fired[0]["step"] + 1 < 7  # the step in flight finishes, checkpointed
+    assert (out / "checkpoints" / "latest" / str(recs[-1]["step"])).is_dir()

@@ -18,23 +18,20 @@ def length_fields(completion_tokens, completion_mask, max_new_tokens: int, eos_i
 
 
 def repetition_fields(completion_tokens, completion_mask, eos_ids) -> dict[str, float]:
-  """How repetitive one step's completions are (EOS left out; rows of under 2 tokens left out):
-  `distinct_frac`, the mean share of a row's tokens that are distinct (24 spaces: 1/24), and
-  `repeat_ngram_frac`, the mean share of a row that its longest n-gram occurring twice covers (overlaps
-  count: 24 spaces: 23/24; a row with no repeated token: 0)."""
+  """How repetitive one step's completions are: `distinct_frac`, the share of distinct tokens among all the
+  step's completion tokens (EOS included: a batch of 24 spaces a row or of bare EOS is 1 distinct token in
+  all of them), and `repeat_ngram_frac`, the mean share of a row (EOS left out; rows under 2 tokens count 0)
+  that its longest n-gram occurring twice covers (overlaps count: 24 spaces: 23/24)."""
   toks, mask = np.asarray(completion_tokens), np.asarray(completion_mask, bool)
+  if not mask.any():
+    return {}
   eos = np.asarray(list(eos_ids) or [-1])
-  distinct, repeat = [], []
+  repeat = []
   for row, m in zip(toks, mask):
     t = row[m]
     t = t[~np.isin(t, eos)]
-    if len(t) < 2:
-      continue
-    distinct.append(len(np.unique(t)) / len(t))
-    repeat.append(_longest_repeat(t) / len(t))
-  if not distinct:
-    return {}
-  return {"distinct_frac": float(np.mean(distinct)), "repeat_ngram_frac": float(np.mean(repeat))}
+    repeat.append(_longest_repeat(t) / len(t) if len(t) >= 2 else 0.0)
+  return {"distinct_frac": float(len(np.unique(toks[mask])) / mask.sum()), "repeat_ngram_frac": float(np.mean(repeat))}
 
 
 def _longest_repeat(t: np.ndarray) -> int:
