@@ -110,5 +110,23 @@ def main(argv=None) -> int:
   return 0
 
 
+def plot(result: dict, path: str) -> str:
+  """The three held-out measures against the step, one line a seed."""
+  from opdjax.analyses import reporting
+
+  fig, axes = reporting.figure(1, 3, figsize=(13, 3.8))
+  labels = {"reverse_kl": "reverse KL on its own samples (nats/token)",
+            "teacher_nll": "NLL on the teacher's answers (nats/token)", "teacher_f1": "token F1 against the teacher"}
+  for i, (seed, run) in enumerate(result["runs"].items()):
+    steps = [p["step"] for p in run["curve"]]
+    for ax, key in zip(axes, MEASURES):
+      ax.plot(steps, [p[key] for p in run["curve"]], marker="o", color=f"C{i}", label=f"seed {seed}")
+  for ax, key in zip(axes, MEASURES):
+    ax.set_xlabel("step")
+    ax.set_ylabel(labels[key], fontsize=8)
+    ax.legend(fontsize=8)
+  return reporting.save_figure(fig, path)
+
+
 if __name__ == "__main__":
   raise SystemExit(main())
