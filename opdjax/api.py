@@ -98,6 +98,7 @@ def train(config_or_path=None, out: str | None = None, overrides: dict | None = 
   prepare_process(cfg)  # before JAX starts: a GPU shared with the vLLM servers split between them
   # Before anything is loaded or written: CPU-only jax on a GPU node would otherwise train on CPU.
   gpu.check_jax_backend(jax.default_backend(), gpu.visible_gpus(), gpu.config_wants_gpu(cfg))
+  gpu.check_cpu_dtype(jax.default_backend(), cfg.model.dtype)
   distributed.check_same_config(cfg.to_dict())
   result = run_train(cfg, os.fspath(out), resume=resume, fallback=fallback, overwrite=overwrite, progress=progress,
                      command=command)

@@ -105,3 +105,20 @@ def test_train_on_cpu_jax_with_gpus_visible_is_refused_with_the_install_line(cap
   err = capsys.readouterr().err
   assert "8 GPU(s) visible" in err and "pip install -e '.[gpu]'" in err and "model.dtype=bfloat16" in err, err
   assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_bf16_config_on_cpu_is_refused_before_any_work_naming_float32(capsys, monkeypatch, tmp_path):
+  """bf16 compute on XLA:CPU dies in the first train step (no BF16 x BF16 = F32 dot): refused at the start with
+  one line naming --config.model.dtype=float32, nothing written (docs/guide.md, README's CPU recipe)."""
+  import time
+
+  from opdjax.parallel import gpu
+
+  monkeypatch.setattr(gpu, "visible_gpus", lambda: 0)
+  out = tmp_path / "run"
+  t = time.perf_counter()
+  assert cli.main(["train", "--config", "configs/demo.py", "--out", str(out), "--config.model.dtype=bfloat16"]) == 2
+  err = capsys.readouterr().err
+  assert "model.dtype=bfloat16 cannot train on JAX's CPU backend" in err and "--config.model.dtype=float32" in err
+  assert len(err.strip().splitlines()) == 1 and time.perf_counter() - t < 5, err
+  assert not out.exists() or not any(out.iterdir())

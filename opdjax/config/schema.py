@@ -57,7 +57,7 @@ class Config:
   student: StudentConfig = StudentConfig()
   rollout: RolloutConfig = RolloutConfig()
   loss: LossConfig = LossConfig(topk=8, chunk=64)
-  optim: OptimConfig = OptimConfig(learning_rate=5e-3, total_steps=1200)
+  optim: OptimConfig = OptimConfig(learning_rate=5e-3, total_steps=0)  # 0: train.steps
   train: TrainConfig = TrainConfig()
   mismatch: MismatchConfig = MismatchConfig()
   sensitivity: SensitivityConfig = SensitivityConfig()

@@ -338,7 +338,9 @@ class TrainConfig:
   tensorboard, wandb, trackio (opdjax.pipeline.trackers; `tracker_project` names the W&B / trackio
   project). log_samples_every: every k steps a few samples to OUT/samples.jsonl and the trackers' tables
   (0: none). length_guard: off, warn or halt when more than `length_guard_threshold` of the completions
-  hit rollout.max_new_tokens over `length_guard_window` steps (opdjax.pipeline.telemetry). micro_batches:
+  hit rollout.max_new_tokens over `length_guard_window` steps (opdjax.pipeline.telemetry). collapse_guard:
+  off, warn or halt when the completions' entropy and distinct-token share over `collapse_guard_window` steps
+  both fall under `collapse_guard_ratio` x those of the run's first window. micro_batches:
   gradient accumulation (opdjax.training.step.accumulate_gradients)."""
 
   steps: int = 1200
@@ -360,6 +362,9 @@ class TrainConfig:
   length_guard: str = "warn"
   length_guard_threshold: float = 0.5
   length_guard_window: int = 5
+  collapse_guard: str = "warn"
+  collapse_guard_ratio: float = 0.5
+  collapse_guard_window: int = 5
 
   def check(self):
     check_positive("train.steps", self.steps)
@@ -374,6 +379,11 @@ class TrainConfig:
       raise UserError(f"train.length_guard_threshold={self.length_guard_threshold}: a share of completions in [0, 1]"
                       " (e.g. 0.5).")
     check_positive("train.length_guard_window", self.length_guard_window)
+    check_choice("train.collapse_guard", self.collapse_guard, ("off", "warn", "halt"))
+    if not 0.0 < self.collapse_guard_ratio < 1.0:
+      raise UserError(f"train.collapse_guard_ratio={self.collapse_guard_ratio}: a fraction of the first window's"
+                      " entropy and distinct-token share in (0, 1) (e.g. 0.5).")
+    check_positive("train.collapse_guard_window", self.collapse_guard_window)
     check_positive("train.eval_every", self.eval_every)
     check_positive("train.checkpoint_every", self.checkpoint_every, 0)
     check_positive("train.keep_checkpoints", self.keep_checkpoints)

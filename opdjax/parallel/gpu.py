@@ -56,6 +56,15 @@ def check_jax_backend(backend: str, gpus: int, wants: str | None, env: Mapping[s
                   f" install CUDA JAX with `{GPU_INSTALL}` (or set JAX_PLATFORMS=cpu to train on the CPU anyway).")
 
 
+def check_cpu_dtype(backend: str, dtype: str) -> None:
+  """Refuses bf16 compute on XLA:CPU before anything loads: its dot thunk has no BF16 x BF16 = F32 kernel, so
+  the first train step would die after the models loaded and the step-0 evaluation ran. `backend`:
+  `jax.default_backend()`; `dtype`: `model.dtype`."""
+  if backend == "cpu" and dtype != "float32":
+    raise UserError(f"model.dtype={dtype} cannot train on JAX's CPU backend (XLA:CPU has no {dtype} matmul with"
+                    " float32 accumulation): pass --config.model.dtype=float32 on CPU.")
+
+
 def shared_gpu_memory(vllm_utilization: float, env: Mapping[str, str] | None = None) -> tuple[float, dict[str, str]]:
   """A trainer and a vLLM server on one GPU: `(vLLM's --gpu-memory-utilization, the environment the
   trainer's JAX must start with)`. vLLM takes utilization u of the whole GPU (0: SHARED_VLLM_UTILIZATION);

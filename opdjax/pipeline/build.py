@@ -58,15 +58,19 @@ def make_task(cfg) -> Task:
 
 
 def prune_layers(model_cfg: ModelConfig, params, keep: str):
-  """Keeps the layers `keep` selects (a Python slice like `0::2`, or `0,3,5`), renumbered."""
+  """Keeps the layers `keep` selects, renumbered: comma-separated indices and Python slices (`0::2`, `0,3,5`,
+  `0:12,18:30`: the middle six of 30 dropped)."""
   n = model_cfg.num_layers
   try:
-    if ":" in keep:
-      kept = list(range(n))[slice(*[int(x) if x else None for x in keep.split(":")])]
-    else:
-      kept = [int(x) for x in keep.split(",")]
+    kept = []
+    for part in keep.split(","):
+      if ":" in part:
+        kept += list(range(n))[slice(*[int(x) if x else None for x in part.split(":")])]
+      else:
+        kept.append(int(part))
   except ValueError:
-    raise UserError(f"keep_layers={keep!r}: give a slice like '0::2' or indices like '0,3,5'.") from None
+    raise UserError(f"keep_layers={keep!r}: give slices like '0::2' or '0:12,18:30', or indices like '0,3,5'.") \
+        from None
   if not kept or any(not 0 <= i < n for i in kept):
     raise UserError(f"keep_layers={keep!r} selects {kept} of a {n}-layer model.")
   idx = np.asarray(kept)

@@ -94,10 +94,12 @@ class RunState:
   teacher_view: str
   guard: dict | None = None  # GuardHook.state() of a run with train.budget
   length_guard: dict | None = None  # LengthGuardHook.state() (opdjax.pipeline.telemetry): its window
+  collapse_guard: dict | None = None  # CollapseGuardHook.state(): its window and reference
   versions: dict = dataclasses.field(default_factory=dict)  # package versions that wrote it
 
   @classmethod
-  def of(cls, loop, step: int, guard: dict | None = None, length_guard: dict | None = None) -> RunState:
+  def of(cls, loop, step: int, guard: dict | None = None, length_guard: dict | None = None,
+         collapse_guard: dict | None = None) -> RunState:
     """What a checkpoint of `loop` at `step` holds (`guard`, `length_guard`: the mismatch and length guards'
     states, where the run has them)."""
     session, sampler = loop.session, loop.sampler
@@ -107,7 +109,7 @@ class RunState:
                kind=session.deployment.kind, view=sampler.view, depth=sampler.depth,
                async_mode=session.cfg.rollout.async_mode, sampling=dataclasses.asdict(session.sampling),
                teacher_view=str(session.teacher_view), guard=guard, length_guard=length_guard,
-               versions=package_versions())
+               collapse_guard=collapse_guard, versions=package_versions())
 
   def tree(self) -> dict:
     return {"train": self.train, "history": self.history}
@@ -122,6 +124,8 @@ class RunState:
       out["guard"] = self.guard
     if self.length_guard is not None:
       out["length_guard"] = self.length_guard
+    if self.collapse_guard is not None:
+      out["collapse_guard"] = self.collapse_guard
     return out
 
   @staticmethod
@@ -139,7 +143,7 @@ class RunState:
                student_config=meta["student_config"], kind=engine.get("kind", ""), view=view,
                depth=engine["async_depth"], async_mode=engine.get("async_mode", "exact"), sampling=engine["sampling"],
                teacher_view=meta.get("teacher_view", "clean"), guard=meta.get("guard"),
-               length_guard=meta.get("length_guard"),
+               length_guard=meta.get("length_guard"), collapse_guard=meta.get("collapse_guard"),
                versions=meta.get("versions", {}))
 
 

@@ -70,8 +70,10 @@ class CheckpointHook(Hook):
   stops the run (`loop.stop`); the step's record is on disk before the checkpoint that covers it.
   `guard`, `length_guard`: the run's mismatch and length guards, whose states the checkpoint keeps."""
 
-  def __init__(self, checkpointer, every: int, guard=None, fault: FaultHook | None = None, length_guard=None):
+  def __init__(self, checkpointer, every: int, guard=None, fault: FaultHook | None = None, length_guard=None,
+               collapse_guard=None):
     self.ckpt, self.every, self.guard, self.fault, self.length_guard = checkpointer, every, guard, fault, length_guard
+    self.collapse_guard = collapse_guard
 
   def after_step(self, loop: Loop, step: int) -> None:
     if (self.every and step % self.every == 0) or step == loop.steps or loop.stop is not None:
@@ -90,7 +92,8 @@ class CheckpointHook(Hook):
   def after_step_save(self, loop: Loop, step: int) -> None:
     loop.flush()
     run = RunState.of(loop, step, guard=None if self.guard is None else self.guard.state(),
-                      length_guard=None if self.length_guard is None else self.length_guard.state())
+                      length_guard=None if self.length_guard is None else self.length_guard.state(),
+                      collapse_guard=None if self.collapse_guard is None else self.collapse_guard.state())
     self.ckpt.save_run(run, metrics=loop.last_eval)
 
   def end(self, loop: Loop) -> None:
@@ -207,7 +210,8 @@ class Progress(Hook):
   def record(self, loop: Loop, rec: dict) -> None:
     if not self.enabled or rec["step"] == loop.start_step:
       return
-    for key, who in (("guard_event", "guard"), ("length_guard_event", "length guard")):
+    for key, who in (("guard_event", "guard"), ("length_guard_event", "length guard"),
+                      ("collapse_guard_event", "collapse guard")):
       if key in rec:  # a guard acted: always a line of its own
         line = f"{self.desc}: step {rec['step']}: {who}: {rec[key]}"
         if self.bar is not None:

@@ -30,7 +30,7 @@ from opdjax.pipeline.guard import GuardHook, load_run_budget
 from opdjax.pipeline.loop import run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
 from opdjax.pipeline.session import Session
-from opdjax.pipeline.telemetry import LengthGuardHook, SamplesHook
+from opdjax.pipeline.telemetry import CollapseGuardHook, LengthGuardHook, SamplesHook
 from opdjax.pipeline.trackers import check_installed, parse_loggers, tracker_hooks
 from opdjax.rollout.deploy import check_memory, plan, resolve_servers
 from opdjax.views.view import EngineView
@@ -39,7 +39,8 @@ from opdjax.views.view import EngineView
 RESUMABLE = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
              "train.best_metric", "train.tensorboard", "train.loggers", "train.tracker_project",
              "train.log_samples_every", "train.length_guard", "train.length_guard_threshold",
-             "train.length_guard_window", "rollout.vllm.url", "rollout.vllm.api_key",
+             "train.length_guard_window", "train.collapse_guard", "train.collapse_guard_ratio",
+             "train.collapse_guard_window", "rollout.vllm.url", "rollout.vllm.api_key",
              "rollout.vllm.python", "rollout.vllm.gpu_memory_utilization", "rollout.vllm.cpu_kvcache_gib",
              "rollout.vllm.enforce_eager", "rollout.vllm.extra_args", "rollout.devices", "rollout.vllm.urls",
              "rollout.vllm.num_servers", "rollout.vllm.gpus",
@@ -90,6 +91,9 @@ def train(cfg: Config, out_dir: str, resume: str = "auto", fallback: bool = Fals
   that say what to run next."""
   cfg = resolve_servers(cfg)  # the servers' dtype and CUDA graphs as they will run: recorded, and resumes compare them
   check_installed(cfg.train.loggers)  # a tracker that is not installed: one line, before --out is touched
+  note = cfg.optim.note(cfg.train.steps)  # a schedule that does not fit the run: said, not refused
+  if note and jax.process_index() == 0:
+    print(note, file=sys.stderr)
   ckpt_dir = os.path.join(out_dir, "checkpoints")
   ours = is_run_dir(out_dir)
   check_out_dir(out_dir, "train", overwrite, own=ours)
@@ -184,7 +188,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
   cfg = session.cfg
   primary = session.placement.primary  # process 0 writes the run's files
   view, depth, guard_state = EngineView.parse(cfg.rollout.view), cfg.rollout.async_depth, None
-  length_state = None
+  length_state = collapse_state = None
   state, start, last_eval, history, changes = None, 0, None, None, {}
   if resuming:
     ckpt = RunCheckpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, best_metric=cfg.train.best_metric)
@@ -199,6 +203,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     # The sampler as it ran at the checkpoint: the config's view and depth, or where the guard's backoffs took them.
     view, depth, guard_state = run.view, run.depth, run.guard
     length_state = run.length_guard  # its window: the resumed run acts where the uninterrupted one would
+    collapse_state = run.collapse_guard
     for k, (a, b) in changes.items():
       print(f"opdjax: resuming with {k} changed: {a!r} -> {b!r}", file=sys.stderr)
   else:
@@ -218,10 +223,11 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
   t = cfg.train
   length_guard = None if t.length_guard == "off" else LengthGuardHook(
       t.length_guard, t.length_guard_threshold, t.length_guard_window, ckpt, length_state)
+  collapse_guard = None if t.collapse_guard == "off" else CollapseGuardHook(
+      t.collapse_guard, t.collapse_guard_ratio, t.collapse_guard_window, ckpt, collapse_state)
   fault = H.FaultHook()
   hooks = [] if guard is None else [guard]  # first: it annotates the record the writers write
-  if length_guard is not None:
-    hooks.append(length_guard)
+  hooks += [g for g in (length_guard, collapse_guard) if g is not None]
   hooks += [H.EvalHook(cfg.train.eval_every), fault, H.JsonlWriter(os.path.join(out_dir, "metrics.jsonl"),
                                                                     start if resuming else -1)]
   if cfg.train.tensorboard or "tensorboard" in parse_loggers(t.loggers):
@@ -232,7 +238,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     hooks.append(SamplesHook(os.path.join(out_dir, "samples.jsonl"), t.log_samples_every,
                              start if resuming else -1, write=primary))
   hooks += [H.NonFiniteHook(cfg.train.on_nonfinite, ckpt), H.Progress("OPD", progress),
-            H.CheckpointHook(ckpt, cfg.train.checkpoint_every, guard, fault, length_guard)]
+            H.CheckpointHook(ckpt, cfg.train.checkpoint_every, guard, fault, length_guard, collapse_guard)]
   if not primary:  # process 0 alone writes metrics and progress; checkpoints are every process's (Orbax)
     hooks = [h for h in hooks if not isinstance(h, (H.JsonlWriter, H.TensorBoardWriter, H.Progress))]
   if start >= cfg.train.steps:

@@ -164,7 +164,7 @@ class Session:
 
   def optimizer(self, algo: str = "opd"):
     if algo not in self._optimizers:
-      optim = self.cfg.optim
+      optim = self.cfg.optim.for_run(self.cfg.train.steps)
       if algo == "grpo" and self.cfg.grpo.learning_rate:
         optim = dataclasses.replace(optim, learning_rate=self.cfg.grpo.learning_rate)
       self._optimizers[algo] = make_optimizer(optim)

@@ -25,8 +25,14 @@ from opdjax.training.loss import SERVED_KEYS, LossConfig, sampling_transform
 EXCLUDED_R = 20.0  # |r| of a sampled token the trainer's processed distribution excludes
 
 
+WARMUP_FRACTION = 0.2  # the most of a schedule's steps that warmup may take
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
+  """`total_steps` 0 (a run config's default): the run's `train.steps` (`for_run`); warmup is capped to
+  WARMUP_FRACTION of the schedule either way."""
+
   learning_rate: float = 1e-4
   warmup_steps: int = 10
   total_steps: int = 1000
@@ -37,7 +43,34 @@ class OptimConfig:
   max_grad_norm: float = 1.0
 
 
+  def for_run(self, steps: int) -> OptimConfig:
+    """The schedule a run of `steps` steps uses: `total_steps` 0 follows the run, warmup capped."""
+    total = self.total_steps or steps
+    return dataclasses.replace(self, total_steps=total,
+                               warmup_steps=min(self.warmup_steps, max(1, int(WARMUP_FRACTION * total))))
+
+  def note(self, steps: int) -> str | None:
+    """One line when the schedule does not fit a run of `steps` steps (None when it does)."""
+    used = self.for_run(steps)
+    if used.warmup_steps < self.warmup_steps:
+      return (f"opdjax: optim.warmup_steps={self.warmup_steps} is over {WARMUP_FRACTION:.0%} of the"
+              f" {used.total_steps}-step schedule; warming up over {used.warmup_steps} steps.")
+    if not self.total_steps or self.total_steps == steps:
+      return None
+    if steps <= used.warmup_steps:
+      return (f"opdjax: the run ends at step {steps}, before the warmup (optim.warmup_steps={used.warmup_steps}):"
+              f" the learning rate never reaches {self.learning_rate:g}. Leave optim.total_steps at 0 to follow"
+              " train.steps.")
+    if steps < self.total_steps:
+      return (f"opdjax: the run ends at step {steps} of an optim.total_steps={self.total_steps} schedule: it never"
+              " decays to its end. Leave optim.total_steps at 0 to follow train.steps.")
+    return (f"opdjax: the run goes on {steps - self.total_steps} steps past the end of its optim.total_steps="
+            f"{self.total_steps} schedule, at {self.end_lr_fraction:g} x the learning rate. Leave"
+            " optim.total_steps at 0 to follow train.steps.")
+
+
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+  """The schedule `cfg` names as it is: a run passes `cfg.for_run(train.steps)`."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=max(cfg.warmup_steps, 1),
       decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),

@@ -9,6 +9,7 @@ from .pages import (
   benchmarks,
   kv_capacity,
   mismatch,
+  pair,
   prefix_shift,
   readme,
   reproduction,
@@ -17,7 +18,7 @@ from .pages import (
   served_teacher,
 )
 
-PAGES = (readme, benchmarks, asynchronous, admission, kv_capacity, mismatch, prefix_shift, reproduction, scaling,
+PAGES = (readme, benchmarks, asynchronous, admission, kv_capacity, mismatch, pair, prefix_shift, reproduction, scaling,
          sensitivity, served_teacher)
 FIGURES: dict[str, Figure] = {}
 for page in PAGES:
