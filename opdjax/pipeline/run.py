@@ -20,6 +20,7 @@ import jax
 from opdjax.config.schema import Config, flat
 from opdjax.errors import Interrupted, UserError
 from opdjax.models.fetch import resolve
+from opdjax.models.hub import read_snapshots
 from opdjax.pipeline import hooks as H
 from opdjax.pipeline.checkpoint import CheckpointUnreadable, RunCheckpointer, RunState
 from opdjax.pipeline.distributed import barrier
@@ -246,6 +247,9 @@ def _append_history(out_dir: str, cfg: Config, start: int, changes: dict, resume
            "resumed": resumed, "changes": {k: list(v) for k, v in changes.items()}}
   if not resumed:
     entry["config"] = cfg.to_dict()
+  snapshots = read_snapshots()  # the Hub snapshot commit each Hub id of this start read
+  if snapshots:
+    entry["hub_snapshots"] = snapshots
   with open(os.path.join(out_dir, "config_history.jsonl"), "a") as f:
     f.write(json.dumps(entry) + "\n")
 
