@@ -138,7 +138,7 @@ from opdjax.pipeline import distributed
 distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), timeout_s=120)
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from opdjax.pipeline.checkpoint import CheckpointCorrupt, RunCheckpointer
+from opdjax.pipeline.checkpoint import CheckpointUnreadable, RunCheckpointer
 
 mesh = Mesh(np.array(jax.devices()), ("fsdp",))
 x = jnp.arange(4096.0).reshape(64, 64)
@@ -165,7 +165,7 @@ target = {"w": jax.device_put(jnp.zeros((64, 64)), NamedSharding(mesh, P(None, "
 try:
   ck.restore(2, target)
   caught = ""
-except CheckpointCorrupt as e:
+except CheckpointUnreadable as e:  # CheckpointCorrupt (names the array), or a flip that no longer decodes
   caught = str(e)
 out, _ = ck.restore(1, target)
 ok = bool(np.array_equal(np.asarray(jax.experimental.multihost_utils.process_allgather(out["w"], tiled=True)), x))
@@ -189,6 +189,7 @@ def test_a_flip_in_another_process_shards_is_caught_by_both(tmp_path):
   assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
   got = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
   for g in got:
-    assert "checkpoint step 2" in g["caught"] and "array ['w']" in g["caught"], g
+    assert "checkpoint step 2" in g["caught"], g
+    assert "array ['w']" in g["caught"] or "cannot be restored" in g["caught"], g
     assert g["ok"] and g["recorded"] == ["['b']", "['w']"]
   assert isinstance(CheckpointCorrupt(1, "p", "a", 0, "l"), CheckpointUnreadable)
