@@ -103,14 +103,9 @@ RECORD = "opdjax_record.json"  # what `record` writes beside a command's output:
 
 
 def _files(run: str) -> dict[str, str]:
-  out = {}
-  for r, _, fs in os.walk(run):
-    for f in sorted(fs):
-      path = os.path.join(r, f)
-      if os.path.relpath(path, run) != RECORD:
-        with open(path, "rb") as fh:
-          out[os.path.relpath(path, run)] = hashlib.sha256(fh.read()).hexdigest()
-  return out
+  paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(run) for f in fs)
+  return {os.path.relpath(p, run): hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths
+          if os.path.relpath(p, run) != RECORD}
 
 
 def record(root: str, name: str, run: str) -> dict:
