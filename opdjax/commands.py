@@ -323,7 +323,7 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def export(args, overrides) -> int:
-  from opdjax.pipeline.checkpoint import export as export_run
+  from opdjax.pipeline.export import export as export_run
 
   step = export_run(args.checkpoint, args.out, args.step)
   print(f"wrote the student of step {step} of {args.checkpoint} to {args.out}")

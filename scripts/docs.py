@@ -13,6 +13,11 @@ works for every NAME.
   python scripts/docs.py --check --demo-run DIR     # ... and the README's demo line equals that run's
   python scripts/docs.py --refresh NAME [--from DIR]  # rerun NAME's command (or read DIR), rewrite
                                                        # its result file, its PNGs and the docs
+  python scripts/docs.py --record NAME --into DIR   # run NAME's command into DIR with its signed record
+                                                    # (on the machine that measures, e.g. the lent GPU)
+
+`--from DIR` takes only a folder `--record` wrote (DIR/opdjax_record.json: the command, commit, worktree, machine,
+date, a sha256 of every file, a digest over it all) and copies that provenance; any other folder is refused.
   python scripts/docs.py --render                   # rewrite every block from the result files
   python scripts/docs.py --list                     # the registry
 
@@ -46,16 +51,25 @@ def main(argv: list[str] | None = None) -> int:
   act.add_argument("--refresh", metavar="NAME", help="rerun NAME's command, rewrite its result file and the docs")
   act.add_argument("--render", action="store_true", help="rewrite every block from the result files")
   act.add_argument("--list", action="store_true", help="print every NAME, its command and its result file")
+  act.add_argument("--record", metavar="NAME", help="run NAME's command into --into DIR and sign what it wrote")
+  ap.add_argument("--into", metavar="DIR", help="with --record: the new folder the command writes")
   ap.add_argument("--demo-run", metavar="RUN", help="with --check: a demo run folder (or its metrics.jsonl)"
                   " whose numbers the README's demo line must equal")
-  ap.add_argument("--from", dest="from_dir", metavar="DIR", help="with --refresh: read DIR, the output of"
-                  " NAME's command run by hand, instead of running it")
+  ap.add_argument("--from", dest="from_dir", metavar="DIR", help="with --refresh: read DIR, a folder `--record"
+                  " NAME --into DIR` wrote (elsewhere), instead of running the command")
   ap.add_argument("--root", default=ROOT, help="the repository to work on (default: this one)")
   args = ap.parse_args(argv)
   try:
     if args.list:
       for name, fig in FIGURES.items():
         print(f"{name}: {' && '.join(fig.commands)} -> docs/results/{name}.json (views: {', '.join(fig.views)})")
+      return 0
+    if args.record:
+      if args.record not in FIGURES or not args.into:
+        raise DocsError(f"--record needs a known NAME and --into DIR (known: {', '.join(FIGURES)})")
+      rec = core.record(args.root, args.record, os.path.abspath(args.into))
+      print(f"docs.py: ran {args.record} into {args.into}, signed ({core.RECORD}, machine: {rec['machine']});"
+            f" bring the folder back and run `python scripts/docs.py --refresh {args.record} --from DIR`")
       return 0
     if args.refresh:
       if args.refresh not in FIGURES:

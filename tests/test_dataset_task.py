@@ -159,3 +159,23 @@ def test_two_processes_each_tokenize_their_slice_and_hold_the_same_prompts(tok, 
   seen = [set(g["seen"]) for g in got]
   assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 21  # each row tokenized once, by one process
   assert all(8 <= len(s) <= 13 for s in seen)  # about half each
+
+
+def test_long_prompts_are_refused_by_default_and_dropped_when_asked(tok, tmp_path, capsys):
+  """A prompt over rollout.max_len - max_new_tokens: refused naming the longest and the option, or dropped with a
+  count line (and the longest length) under task.long_prompts=drop, the rest kept."""
+  path = tmp_path / "p.parquet"
+  texts = _texts(20)
+  texts[3] = " ".join(["wa wb wc wd we"] * 40)  # far over the 40 prompt tokens left
+  datasets.Dataset.from_dict({"question": texts}).to_parquet(str(path))
+  keys = {"dataset": path, "prompt_field": "question"}
+  with pytest.raises(UserError) as e:
+    make_task(_cfg(tok, "plain", **keys))
+  msg = str(e.value)
+  assert "1 prompts exceed 40 tokens" in msg and "row 3" in msg and "task.long_prompts=drop" in msg, msg
+  task = make_task(_cfg(tok, "plain", long_prompts="drop", **keys))
+  err = capsys.readouterr().err
+  assert "dropped 1 prompts over 40 tokens" in err and "row 3" in err, err
+  assert len(task._train) + len(task.eval_set()[0]) == 19 and all(len(p) <= 40 for p in task._train)
+  with pytest.raises(UserError, match="task.long_prompts"):
+    _cfg(tok, "plain", long_prompts="cut", **keys)

@@ -279,3 +279,34 @@ def test_a_code_path_that_no_longer_exists_fails_naming_file_and_line(tmp_path):
   line = text[:text.index("`opdjax/analyses/admission.py`")].count("\n") + 1
   assert core.check_code_paths(str(root)) == [f"docs/admission.md:{line}: `opdjax/admission.py` is not a file of the"
                                               " repository (moved? name where it is now)"]
+
+
+def test_refresh_from_a_folder_without_its_signed_record_is_refused(tmp_path, capsys):
+  """`--refresh NAME --from DIR` signs only a folder `--record NAME --into DIR` wrote: a hand-made folder, a record
+  edited after, or a file changed after the record, is refused with one line, and no result file is touched."""
+  import glob
+
+  from docs_render.registry import FIGURES
+
+  from opdjax.analyses import reporting
+
+  name = next(iter(FIGURES))
+  before = {p: open(p, "rb").read() for p in glob.glob(os.path.join(ROOT, "docs", "results", "*.json"))}
+  hand = tmp_path / "hand"
+  hand.mkdir()
+  (hand / "result.json").write_text("{}")
+  assert docs.main(["--refresh", name, "--from", str(hand)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "no signed record" in err and f"--record {name} --into DIR" in err and "\n" not in err
+  rec = {"name": name, "command": [c.replace("{out}", "DIR") for c in FIGURES[name].commands], "commit": "x",
+         "worktree": "clean", "machine": "m", "date": "2026-01-01", "load": "", "wall_s": 1.0,
+         "files": core._files(str(hand))}
+  rec["digest"] = reporting.record_digest(rec)
+  (hand / core.RECORD).write_text(json.dumps(rec))
+  (hand / "result.json").write_text('{"edited": 1}')  # a file changed after the record
+  assert docs.main(["--refresh", name, "--from", str(hand)]) == 2
+  assert "result.json changed after the command wrote the folder" in capsys.readouterr().err
+  (hand / core.RECORD).write_text(json.dumps({**rec, "machine": "the GPU box"}))  # the record edited
+  assert docs.main(["--refresh", name, "--from", str(hand)]) == 2
+  assert "was edited after it was written" in capsys.readouterr().err
+  assert {p: open(p, "rb").read() for p in before} == before

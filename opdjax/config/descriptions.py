@@ -40,6 +40,7 @@ _VLLM = {  # rollout.vllm.* and teacher.vllm.*: a vLLM server opdjax starts or a
 DESCRIPTIONS: dict[str, str] = {
     "seed": "the run's seed: prompts, sampling and the demo models follow from it",
     "task.name": "addition (built-in, verified) or prompts (a JSONL or a dataset, no verifier)",
+    "task.long_prompts": "a dataset prompt longer than rollout.max_len - max_new_tokens: refuse or drop it",
     "task.max_digits": "addition: the largest operand's digits",
     "task.answer": "addition: sum (the reversed sum) or worked (column sums first, ~3x longer)",
     "task.num_eval": "held-out prompts the evaluation samples",

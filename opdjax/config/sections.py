@@ -71,7 +71,9 @@ class TaskConfig:
   routing prompts to teachers (teacher.routes); held out: `eval_split`'s first num_eval rows, or num_eval
   rows of `split` held back by a fixed permutation.
   `answer` (addition): `sum`, the reversed sum; `worked`, the column sums first (~3x longer answers:
-  give rollout.max_new_tokens >= 5 * max_digits + 3; configs/demo_worked.py)."""
+  give rollout.max_new_tokens >= 5 * max_digits + 3; configs/demo_worked.py).
+  `long_prompts` (dataset): a prompt longer than rollout.max_len allows is `refuse`d (the default: one line naming
+  the longest) or `drop`ped with a count line."""
 
   name: str = "addition"
   max_digits: int = 2
@@ -85,9 +87,11 @@ class TaskConfig:
   prompt_field: str = "prompt"
   messages_field: str = ""
   tag_field: str = ""
+  long_prompts: str = "refuse"
 
   def check(self):
     check_choice("task.name", self.name, TASKS)
+    check_choice("task.long_prompts", self.long_prompts, ("refuse", "drop"))
     check_positive("task.num_eval", self.num_eval)
     check_choice("task.answer", self.answer, ANSWERS)
     if self.dataset and self.name != "prompts":

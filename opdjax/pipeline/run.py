@@ -23,9 +23,11 @@ import jax
 from opdjax.config.schema import Config, flat
 from opdjax.errors import Interrupted, UserError
 from opdjax.models.fetch import resolve
+from opdjax.models.hub import read_snapshots
 from opdjax.pipeline import hooks as H
-from opdjax.pipeline.checkpoint import TOKENIZER_FILES, CheckpointUnreadable, RunCheckpointer, RunState
+from opdjax.pipeline.checkpoint import CheckpointUnreadable, RunCheckpointer, RunState
 from opdjax.pipeline.distributed import barrier
+from opdjax.pipeline.export import TOKENIZER_FILES
 from opdjax.pipeline.guard import GuardHook, load_run_budget
 from opdjax.pipeline.loop import run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
@@ -281,6 +283,9 @@ def _append_history(out_dir: str, cfg: Config, start: int, changes: dict, resume
            "resumed": resumed, "changes": {k: list(v) for k, v in changes.items()}}
   if not resumed:
     entry["config"] = cfg.to_dict()
+  snapshots = read_snapshots()  # the Hub snapshot commit each Hub id of this start read
+  if snapshots:
+    entry["hub_snapshots"] = snapshots
   with open(os.path.join(out_dir, "config_history.jsonl"), "a") as f:
     f.write(json.dumps(entry) + "\n")
 
@@ -305,9 +310,9 @@ def _resume(ckpt: RunCheckpointer, state, session: Session, fallback: bool, comm
         again = f"`{command}`" if command else "the same command"
         then = (f"{again} now resumes from step {earlier[0]} (--resume-fallback would have gone on at once)"
                 if earlier else "no other checkpoint is left: pass a new --out folder")
-        raise UserError(f"checkpoint step {step} cannot be restored (truncated or corrupted; the error is in"
+        raise UserError(f"checkpoint step {step} cannot be restored ({e.what}; the error is in"
                         f" {e.log}); moved it to {moved}; {then}.") from None
-      errors.append(f"step {step} (moved to {moved})")
+      errors.append(f"step {step} ({e.what}; moved to {moved})")
       continue
     if errors:
       print(f"opdjax: skipped unreadable checkpoints: {', '.join(errors)}; the errors are in {log}", file=sys.stderr)

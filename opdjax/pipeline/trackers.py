@@ -8,12 +8,18 @@ read it); `tensorboard` is train.tensorboard's event files. Neither W&B nor trac
 touched. Only process 0 logs. W&B honours its own environment (WANDB_MODE=offline writes the run under
 OUT/wandb/ for `wandb sync`); trackio writes its local store (TRACKIO_DIR, default
 ~/.cache/huggingface/trackio; `trackio show` opens it).
+
+Both runs are named by the run's identity (`run_identity`: --out's absolute path and the first start), never
+by the folder's name alone. On a resume from step s, W&B is rewound to s (`resume_from`); trackio has no
+rewind: it resumes the run by name and appends, so its store holds both the abandoned attempt's rows for the
+steps after s and the re-run's (a step's last row is the re-run's; metrics.jsonl holds only the re-run).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import subprocess
 
@@ -48,6 +54,18 @@ def source_commit() -> str:
     return ""
 
 
+def run_identity(out_dir: str) -> str:
+  """A run's identity: its --out absolute path and its first start (the first entry of OUT/config_history.jsonl,
+  which train writes before the trackers start), hashed. A resume keeps it; a new run in the same path does not."""
+  first = ""
+  try:
+    with open(os.path.join(out_dir, "config_history.jsonl")) as f:
+      first = json.loads(f.readline()).get("time", "")
+  except (OSError, ValueError):
+    pass
+  return hashlib.sha1(f"{os.path.abspath(out_dir)}\n{first}".encode()).hexdigest()[:16]
+
+
 def numeric_fields(loop: Loop, rec: dict) -> dict[str, float]:
   stale = carried_eval_keys(loop, rec)
   return {k: v for k, v in rec.items() if k != "step" and k not in stale and isinstance(v, (int, float))
@@ -60,10 +78,11 @@ class Tracker(Hook):
 
   def __init__(self, out_dir: str, project: str, config: dict):
     self.out_dir, self.project = out_dir, project
-    self.name = os.path.basename(os.path.abspath(out_dir))
+    self.run_id = run_identity(out_dir)
+    # The name trackio resumes by (and W&B shows): the folder's name, made unique by the run's identity, so
+    # `--out a/run` and `--out b/run` are two runs, and a new run in a reused path another.
+    self.name = f"{os.path.basename(os.path.abspath(out_dir))}-{self.run_id[:8]}"
     self.config = {**config, "opdjax_commit": source_commit(), "out": os.path.abspath(out_dir)}
-    # One id per --out: a resumed run continues its tracker run.
-    self.run_id = hashlib.sha1(os.path.abspath(out_dir).encode()).hexdigest()[:16]
     self.run = None
 
   def table(self, step: int, rows: list[dict]) -> None: ...
@@ -74,8 +93,12 @@ class WandbWriter(Tracker):
     import wandb
 
     self.wandb = wandb
-    self.run = wandb.init(project=self.project, name=self.name, id=self.run_id, resume="allow", dir=self.out_dir,
-                          config=self.config)
+    # A resume rewinds the W&B run to the checkpoint's step (`resume_from`; offline runs record it and the rewind
+    # happens at `wandb sync`): the re-run steps replace the abandoned attempt's, which W&B would otherwise keep
+    # (it ignores steps below its last logged one).
+    where = {"resume_from": f"{self.run_id}?_step={loop.start_step}"} if loop.start_step else {"resume": "allow"}
+    self.run = wandb.init(project=self.project, name=self.name, id=self.run_id, dir=self.out_dir, config=self.config,
+                          **where)
 
   def record(self, loop: Loop, rec: dict) -> None:
     self.run.log(numeric_fields(loop, rec), step=rec["step"])

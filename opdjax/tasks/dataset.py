@@ -14,6 +14,7 @@ then gathered, so every process samples the same step batches (the seed rule pic
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 
@@ -106,11 +107,22 @@ class DatasetTask(PromptsTask):
       keep[held_idx] = False
       train_rows = self._rows(train, np.flatnonzero(keep), t.split)
       eval_rows = self._rows(train, held_idx, t.split)
-    rows = train_rows + eval_rows
-    too_long = [where for (toks, _, where) in rows if len(toks) > max_prompt_tokens]
+    too_long = [(len(toks), where) for (toks, _, where) in train_rows + eval_rows if len(toks) > max_prompt_tokens]
     if too_long:
-      raise UserError(f"task.dataset={t.dataset!r}: {len(too_long)} prompts exceed {max_prompt_tokens} tokens"
-                      f" (first: {too_long[0]}); raise rollout.max_len or shorten them.")
+      n, where = max(too_long)
+      if t.long_prompts != "drop":
+        raise UserError(f"task.dataset={t.dataset!r}: {len(too_long)} prompts exceed {max_prompt_tokens} tokens (the"
+                        f" longest: {where}, {n} tokens); raise rollout.max_len, shorten them, or drop them with"
+                        " --config.task.long_prompts=drop.")
+      train_rows = [r for r in train_rows if len(r[0]) <= max_prompt_tokens]
+      eval_rows = [r for r in eval_rows if len(r[0]) <= max_prompt_tokens]
+      if not train_rows or not eval_rows:
+        raise UserError(f"task.dataset={t.dataset!r}: every {'training' if not train_rows else 'held-out'} prompt"
+                        f" exceeds {max_prompt_tokens} tokens; raise rollout.max_len.")
+      print(f"opdjax: task.long_prompts=drop: dropped {len(too_long)} prompts over {max_prompt_tokens} tokens (the"
+            f" longest: {where}, {n} tokens); {len(train_rows)} training and {len(eval_rows)} held-out prompts left.",
+            file=sys.stderr)
+    rows = train_rows + eval_rows
     self._setup(t.dataset, [r[0] for r in train_rows], [r[0] for r in eval_rows],
                 [(tag, where) for _, tag, where in rows])
 

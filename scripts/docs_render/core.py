@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import glob
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -81,7 +82,16 @@ def cpu_type() -> str:
 
 
 def machine() -> str:
-  return (f"{cpu_type()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()},"
+  """The machine a command ran on: its CPU, and its GPU where it has one (nvidia-smi's name and count)."""
+  gpu = ""
+  try:
+    names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=20).stdout.split("\n")
+    names = [n.strip() for n in names if n.strip()]
+    gpu = f"{len(names)}x {names[0]}, " if names else ""
+  except (OSError, subprocess.SubprocessError):
+    pass
+  return (f"{gpu}{cpu_type()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()},"
           f" jax {importlib.metadata.version('jax')}")
 
 
@@ -89,39 +99,82 @@ def load_text(start: float) -> str:
   return f"load average {start:.1f} at start, {os.getloadavg()[0]:.1f} at end, on {os.cpu_count()} cores"
 
 
-def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
+RECORD = "opdjax_record.json"  # what `record` writes beside a command's output: its signed provenance
+
+
+def _files(run: str) -> dict[str, str]:
+  paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(run) for f in fs)
+  return {os.path.relpath(p, run): hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths
+          if os.path.relpath(p, run) != RECORD}
+
+
+def record(root: str, name: str, run: str) -> dict:
+  """Runs NAME's commands with {out} = `run` (a new folder) and writes RECORD there: the commands, commit,
+  worktree, machine, date, load and wall time, a sha256 of every file the commands wrote, and a digest over
+  it all. `--refresh NAME --from run` accepts that folder, on any machine (the lent GPU), and nothing else."""
   fig = FIGURES[name]
+  if os.path.exists(run) and os.listdir(run):
+    raise DocsError(f"{run} is not empty; give a new folder for NAME's output.")
   load0, t0 = os.getloadavg()[0], time.time()
   commit = _git(root, "rev-parse", "--short", "HEAD")  # what the command ran, read before it runs
   dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
-  run = from_dir or os.path.join(tempfile.mkdtemp(prefix=f"docs-{name}-"), "run")
-  if not from_dir:  # {out} is an empty folder; command i's stdout goes next to it (stdout{i}.txt)
-    os.makedirs(run)
-    for i, cmd in enumerate(fig.commands):
-      line = cmd.format(out=run)
-      env = {**os.environ, **{k: v.format(out=os.path.dirname(run)) for k, v in fig.env.items()}}
-      print(f"docs.py: {line}", flush=True)
-      proc = subprocess.run(shlex.split(line), cwd=root, env=env, stdout=subprocess.PIPE, text=True)
-      log = os.path.join(os.path.dirname(run), f"stdout{i}.txt")
-      with open(log, "w") as f:
-        f.write(proc.stdout)
-      if proc.returncode:
-        raise DocsError(f"`{line}` exited {proc.returncode} (its output: {log})")
+  os.makedirs(run, exist_ok=True)
+  for i, cmd in enumerate(fig.commands):
+    line = cmd.format(out=run)
+    env = {**os.environ, **{k: v.format(out=os.path.dirname(run)) for k, v in fig.env.items()}}
+    print(f"docs.py: {line}", flush=True)
+    proc = subprocess.run(shlex.split(line), cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    log = os.path.join(os.path.dirname(run), f"stdout{i}.txt")
+    with open(log, "w") as f:
+      f.write(proc.stdout)
+    if proc.returncode:
+      raise DocsError(f"`{line}` exited {proc.returncode} (its output: {log})")
+  rec = {"name": name, "command": [c.replace("{out}", "DIR") for c in fig.commands], "commit": commit,
+         "worktree": f"{len(dirty.splitlines())} tracked files modified" if dirty else "clean", "machine": machine(),
+         "date": datetime.date.today().isoformat(), "load": load_text(load0), "wall_s": round(time.time() - t0, 1),
+         "files": _files(run)}
+  rec["digest"] = reporting.record_digest(rec)
+  reporting.write_json(os.path.join(run, RECORD), rec)
+  return rec
+
+
+def _signed_record(name: str, run: str) -> dict:
+  """The RECORD of folder `run`, refused (one line) unless `record` wrote it for NAME and no file changed since."""
+  fig = FIGURES[name]
+  path = os.path.join(run, RECORD)
+  try:
+    with open(path) as f:
+      rec = json.load(f)
+  except (OSError, json.JSONDecodeError):
+    raise DocsError(f"--from {run}: no signed record ({RECORD}) there; only a folder that `python scripts/docs.py"
+                    f" --record {name} --into DIR` wrote can be signed (run that, on the machine that measures).")\
+        from None
+  body = {k: v for k, v in rec.items() if k != "digest"}
+  if rec.get("digest") != reporting.record_digest(body):
+    raise DocsError(f"--from {run}: {RECORD} was edited after it was written (its digest differs); re-run the"
+                    " command with --record.")
+  if rec.get("name") != name or rec.get("command") != [c.replace("{out}", "DIR") for c in fig.commands]:
+    raise DocsError(f"--from {run}: the record is of {rec.get('name')!r} ({rec.get('command')}), not of {name}'s"
+                    " command; record NAME's own command.")
+  changed = sorted(k for k, v in _files(run).items() if rec["files"].get(k) != v) + \
+      sorted(k for k in rec["files"] if not os.path.exists(os.path.join(run, k)))
+  if changed:
+    raise DocsError(f"--from {run}: {', '.join(changed[:3])} changed after the command wrote the folder; re-run it.")
+  return rec
+
+
+def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
+  fig = FIGURES[name]
+  if from_dir:  # a run made elsewhere: its own signed record's provenance, nothing invented here
+    rec = _signed_record(name, from_dir)
+    run = from_dir
+  else:
+    run = os.path.join(tempfile.mkdtemp(prefix=f"docs-{name}-"), "run")
+    rec = record(root, name, run)
   result = fig.collect(run)
-  date = datetime.date.today().isoformat()
-  worktree = f"{len(dirty.splitlines())} tracked files modified" if dirty else "clean"
-  load = load_text(load0) if not from_dir else "load not recorded (read from an existing run folder)"
-  if from_dir and isinstance(result, dict) and result.get("commit"):  # the run's own record says what it ran
-    commit, date, worktree = result["commit"], result.get("date", date)[:10], "as recorded by the run"
-    if "load_average" in result:
-      la = result["load_average"]
-      load = f"load average {la['start']} at start, {la['end']} at end, on {os.cpu_count()} cores (recorded by the run)"
-  elsewhere = from_dir and isinstance(result, dict) and isinstance(result.get("machine"), str)  # e.g. the lent GPU
-  r = {"command": [c.replace("{out}", "DIR") for c in fig.commands], "commit": commit, "worktree": worktree,
-       "machine": result["machine"] if elsewhere else machine(), "date": date, "measured": "fresh run",
-       "load": load,
-       **({"note": fig.note} if fig.note else {}), "wall_s": None if from_dir else round(time.time() - t0, 1),
-       "result": result}
+  r = {"command": rec["command"], "commit": rec["commit"], "worktree": rec["worktree"], "machine": rec["machine"],
+       "date": rec["date"], "measured": "fresh run" if not from_dir else f"run by `docs.py --record` on {rec['date']}",
+       "load": rec["load"], **({"note": fig.note} if fig.note else {}), "wall_s": rec["wall_s"], "result": result}
   r["digest"] = reporting.record_digest(r)
   reporting.write_json(result_path(root, name), r)
   draw(root, name, r)
