@@ -19,9 +19,7 @@ import json
 import os
 import re
 import shutil
-import signal
 import tempfile
-import threading
 import time
 import traceback
 
@@ -31,7 +29,7 @@ import orbax.checkpoint as ocp
 
 from opdjax.errors import UserError
 from opdjax.pipeline.checksums import mismatches, tree_checksums
-from opdjax.pipeline.quiet import HeldStderr, LoopClosedNoise
+from opdjax.pipeline.quiet import HeldStderr, LoopClosedNoise, ctrl_c_held
 from opdjax.pipeline.run_state import RunState, package_versions  # noqa: F401 -- their users import them here
 
 CHECKSUMS = "checksums"  # the metadata key: {array path: checksum} of the saved tree
@@ -108,14 +106,14 @@ class RunCheckpointer:
     return sorted(os.path.join(root, d) for d in os.listdir(root) if ".orbax-checkpoint-tmp" in d)
 
   def save(self, step: int, state_tree, meta: dict, metrics: dict | None = None) -> None:
-    with _ctrl_c_held(), self._writing("in flight"):  # Orbax would wait for the previous save here anyway
+    with ctrl_c_held(), self._writing("in flight"):  # Orbax would wait for the previous save here anyway
       self._latest.wait_until_finished()
     self._publish_best()
     # Copy first: the next train step donates the live buffers while the save may still run.
     state_tree = jax.tree.map(jnp.copy, state_tree)
     meta = {**meta, CHECKSUMS: tree_checksums(state_tree)}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state_tree), meta=ocp.args.JsonSave(meta))
-    with _ctrl_c_held(), self._writing(step):
+    with ctrl_c_held(), self._writing(step):
       self._latest.save(step, args=args)
     if self.best_metric and metrics and self.best_metric in metrics:
       value = float(metrics[self.best_metric])
@@ -238,35 +236,16 @@ class RunCheckpointer:
     return log
 
   def wait(self) -> None:
-    with _ctrl_c_held(), self._writing("in flight"):
+    with ctrl_c_held(), self._writing("in flight"):
       self._latest.wait_until_finished()
     self._publish_best()
 
   def close(self) -> None:
     # The run is ending (normally or from a Ctrl-C already reported): a second Ctrl-C here must not
     # cut the last save short, and has nothing left to stop.
-    with _ctrl_c_held(reraise=False), self._writing("in flight"):
+    with ctrl_c_held(reraise=False), self._writing("in flight"):
       self._latest.close()
     self._publish_best()
-
-
-@contextlib.contextmanager
-def _ctrl_c_held(reraise: bool = True):
-  """Holds a Ctrl-C (SIGINT) that lands while Orbax saves or waits for a save, and raises it as
-  KeyboardInterrupt once Orbax has returned. Interrupted inside, Orbax's thread join logs an ERROR
-  with a traceback and may leave the step's save unfinished. Off the main thread (no signals
-  arrive there) it does nothing."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  held = []
-  previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-  try:
-    yield
-  finally:  # (None: a handler not set from Python; the default one raises KeyboardInterrupt)
-    signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
-  if held and reraise:
-    raise KeyboardInterrupt
 
 
 BEST_FILE = "BEST.json"  # {"metric", "mode", "step", "value"} of the step under checkpoints/best

@@ -23,6 +23,7 @@ from opdjax.pipeline.async_sampler import AsyncSampler
 from opdjax.pipeline.lengths import with_lengths
 from opdjax.pipeline.overlap import fields as overlap_fields
 from opdjax.pipeline.overlap import generate_side
+from opdjax.pipeline.quiet import ctrl_c_held
 from opdjax.pipeline.session import Session
 from opdjax.pipeline.stages import Sample, Sampler, objective
 from opdjax.training.step import TrainState
@@ -188,14 +189,15 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
       sample = sampler(step, loop.state.params)
       timing = Timing(sample, step, sampler.depth, loop.eval_s) if loop.timed else None
       _phase(loop, "rollout", step + 1)
-      loop.state, metrics, score = obj(loop.state, sample)
-      score, loop.sample = with_lengths(score, sample.rollout, session.task.eos_ids), sample
-      _phase(loop, "step", step + 1)
-      loop.flush()  # step t-1's record, after step t is dispatched
-      version = sample.rollout.params_version
-      rec = {"step": step + 1, "params_version": version, "params_lag": step - version, **sample.record}
-      loop.pending = (rec, metrics, score, timing)
-      finished = step + 1  # its update applied and its record composed: what an interrupt saves
+      with ctrl_c_held():  # the update and its record together: an interrupt lands after both or before both
+        loop.state, metrics, score = obj(loop.state, sample)
+        score, loop.sample = with_lengths(score, sample.rollout, session.task.eos_ids), sample
+        _phase(loop, "step", step + 1)
+        loop.flush()  # step t-1's record, after step t is dispatched
+        version = sample.rollout.params_version
+        rec = {"step": step + 1, "params_version": version, "params_lag": step - version, **sample.record}
+        loop.pending = (rec, metrics, score, timing)
+        finished = step + 1  # its update applied and its record composed: what an interrupt saves
       for h in loop.hooks:
         h.after_step(loop, step + 1)
       if timing is not None:
@@ -209,7 +211,7 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
     if isinstance(e, Interrupted):
       raise
     _save_interrupted(loop, finished)
-    raise Interrupted(step + 1, finished=finished) from None
+    raise Interrupted(finished + 1, finished=finished) from None  # the step it was in, or about to start
   except ServerFailed as e:  # a served teacher's server: the step it failed in, reported after the hooks closed
     raise ServerFailed(f"step {step + 1}: {e} The same command resumes from the last complete checkpoint.") from None
   finally:

@@ -3,9 +3,12 @@ the error a user reads is one line (opdjax.pipeline.checkpoint), the rest goes t
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 
 
@@ -79,3 +82,23 @@ class LoopClosedNoise:
         f.writelines(kept)
     except OSError:
       pass
+
+
+@contextlib.contextmanager
+def ctrl_c_held(reraise: bool = True):
+  """Holds a Ctrl-C (SIGINT, and SIGTERM, which the run passes through it) that lands inside, and raises it as
+  KeyboardInterrupt at the end: around Orbax's saves (interrupted inside, its thread join logs an ERROR and may
+  leave the save unfinished) and around a step's update and its record (interrupted between them, the state
+  would be a step ahead of what was logged, and the last finished step could not be checkpointed). Off the main
+  thread (no signals arrive there) it does nothing."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  held = []
+  previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+  try:
+    yield
+  finally:  # (None: a handler not set from Python; the default one raises KeyboardInterrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+  if held and reraise:
+    raise KeyboardInterrupt
