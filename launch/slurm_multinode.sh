@@ -116,6 +116,7 @@ printed=$(opdjax launch sidecar --print-config --config "$config" --model - --po
 declare -A conf=()
 while IFS= read -r line; do
   k=${line%% = *}; v=${line#* = }
+  [[ "$v" =~ ^(.*[^ ])\ {2,}#\ .*$ ]] && v=${BASH_REMATCH[1]}  # the key's description, after the value
   [[ "$v" == \'*\' || "$v" == \"*\" ]] && v=${v:1:${#v}-2}
   conf[$k]=$v
 done <<< "$printed"
