@@ -134,7 +134,7 @@ def test_export_round_trips_through_transformers(reference, tmp_path, capsys):
   import transformers
 
   from opdjax.models import load_hf_params
-  from opdjax.pipeline.checkpoint import restore_student
+  from opdjax.pipeline.export import restore_student
 
   out = tmp_path / "hf"
   assert cli.main(["export", "--checkpoint", str(reference), "--out", str(out)]) == 0
@@ -161,7 +161,7 @@ def test_rescoring_a_rollout_after_resume_is_bit_exact(reference):
   import numpy as np
 
   from opdjax.models import load_hf_params
-  from opdjax.pipeline.checkpoint import restore_student
+  from opdjax.pipeline.export import restore_student
   from opdjax.rollout import JaxEngine, SamplingParams
   from opdjax.scoring.rescore import batch_from_rollout, token_logprobs
   from opdjax.tasks.addition import AdditionTask
@@ -251,7 +251,7 @@ def test_restore_into_other_shardings_on_four_host_devices(tmp_path):
 @pytest.mark.slow
 def test_full_disk_fails_loudly_and_keeps_earlier_checkpoints(demo_cache, tmp_path, capsys):
   """A real 1.5 MiB tmpfs: the run stops with an error, and the newest complete checkpoint restores."""
-  from opdjax.pipeline.checkpoint import restore_student
+  from opdjax.pipeline.export import restore_student
 
   disk = tmp_path / "disk"
   disk.mkdir()

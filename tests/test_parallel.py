@@ -331,7 +331,7 @@ def _same_files(a, b):
 def test_two_process_checkpoint_resumes_in_one_process(two_process_run, tmp_path):
   from opdjax.models.config import ModelConfig
   from opdjax.models.hf_io import to_hf
-  from opdjax.pipeline.checkpoint import restore_student
+  from opdjax.pipeline.export import restore_student
 
   out, _ = two_process_run
   # Restored on this process's one device, the 2 x 2-device run's final state is the one it exported.

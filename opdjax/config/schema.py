@@ -28,11 +28,8 @@ from opdjax.config.analysis_sections import (
 from opdjax.config.loader import ConfigError
 from opdjax.config.sections import (  # noqa: F401  (constants re-exported: callers import them from here)
   ASYNC_MODES,
-  BEST_METRICS,
   DTYPES,
   ENGINES,
-  GUARDS,
-  NONFINITE,
   TASKS,
   MeshConfig,
   ModelConfig,
@@ -40,9 +37,9 @@ from opdjax.config.sections import (  # noqa: F401  (constants re-exported: call
   StudentConfig,
   TaskConfig,
   TeacherConfig,
-  TrainConfig,
   VllmConfig,
 )
+from opdjax.config.train_section import BEST_METRICS, GUARDS, NONFINITE, TrainConfig  # noqa: F401  (re-exported)
 from opdjax.errors import UserError
 from opdjax.training.loss import LossConfig
 from opdjax.training.step import OptimConfig

@@ -270,14 +270,3 @@ def _short(e: Exception, limit: int = 200) -> str:
 def _dict_diff(a: dict, b: dict) -> str:
   keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
   return ", ".join(f"{k}: {a.get(k)} in the checkpoint, {b.get(k)} now" for k in keys[:4])
-
-
-
-
-def __getattr__(name: str):
-  # restore_student, export and TOKENIZER_FILES moved to opdjax.pipeline.export (which imports this module)
-  if name in ("restore_student", "export", "TOKENIZER_FILES"):
-    from opdjax.pipeline import export as _export
-
-    return getattr(_export, name)
-  raise AttributeError(name)

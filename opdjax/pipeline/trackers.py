@@ -23,7 +23,7 @@ import json
 import os
 import subprocess
 
-from opdjax.config.sections import parse_loggers
+from opdjax.config.train_section import parse_loggers
 from opdjax.errors import UserError
 from opdjax.pipeline.hooks import carried_eval_keys
 from opdjax.pipeline.loop import Hook, Loop
