@@ -117,3 +117,13 @@ def refuses_a_one_step_stale_reload(engine, before, after, monkeypatch) -> tuple
   fresh = engine.export(after, v + 1)
   engine.load(fresh)  # raises if refused
   return str(err.value), stale.stats, fresh.stats
+
+
+def central_diff(f, x, eps=1e-6):
+  """The float64 reference gradient of f at x, by central differences."""
+  g = np.zeros_like(x)
+  for i in np.ndindex(x.shape):
+    d = np.zeros_like(x)
+    d[i] = eps
+    g[i] = (f(x + d) - f(x - d)) / (2 * eps)
+  return g

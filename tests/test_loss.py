@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_grads_close, log_softmax
+from helpers import assert_grads_close, central_diff, log_softmax
 
 from opdjax.errors import UserError
 from opdjax.models import Model, ModelConfig, positions_from_mask
@@ -96,13 +96,6 @@ def ref_loss(zs, zt, y, mask, cfg, const):
   return np.sum(mask * const["w"] * term) / max(mask.sum(), 1.0)
 
 
-def central_diff(f, x, eps=1e-6):
-  g = np.zeros_like(x)
-  for i in np.ndindex(x.shape):
-    d = np.zeros_like(x)
-    d[i] = eps
-    g[i] = (f(x + d) - f(x - d)) / (2 * eps)
-  return g
 
 
 # --- the package's loss, reduced as in opdjax.training.step.opd_loss -----------------

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_grads_close, log_softmax
+from helpers import assert_grads_close, central_diff, log_softmax
 
 from opdjax.config.defaults import default_config
 from opdjax.config.loader import ConfigError, apply_overrides
@@ -59,13 +59,6 @@ def ref_loss(zs, zs0, zt, y, q, cfg):
   return np.sum(MASK * w * term) / max(MASK.sum(), 1.0)
 
 
-def central_diff(f, x, eps=1e-6):
-  g = np.zeros_like(x)
-  for i in np.ndindex(x.shape):
-    d = np.zeros_like(x)
-    d[i] = eps
-    g[i] = (f(x + d) - f(x - d)) / (2 * eps)
-  return g
 
 
 f32 = functools.partial(jnp.asarray, dtype=jnp.float32)

@@ -2,29 +2,17 @@
 (opdjax.analyses.rederive, scripts/docs_render/verdict_check.py): a tampered verdict fails even with both digests
 recomputed, a stale one fails unless its page marks it superseded, and the page then shows both words."""
 
-import importlib.util
 import json
 import os
-import shutil
-import sys
 
 import pytest
+from test_docs import ROOT, _copy, docs  # docs.py loaded once, scripts/ on the path
+
+# isort: split
+from docs_render import verdict_check
+from docs_render.pages import reproduction as page
 
 from opdjax.analyses import rederive, reporting
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("docs_script", os.path.join(ROOT, "scripts", "docs.py"))
-docs = sys.modules["docs_script"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(docs)
-from docs_render import verdict_check  # noqa: E402
-from docs_render.pages import reproduction as page  # noqa: E402
-
-
-def _copy(tmp_path):
-  for f in ("README.md", "BENCHMARKS.md"):
-    shutil.copy(os.path.join(ROOT, f), tmp_path / f)
-  shutil.copytree(os.path.join(ROOT, "docs"), tmp_path / "docs")
-  return tmp_path
 
 
 def _tamper(root, name, num, verdict):
