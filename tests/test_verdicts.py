@@ -15,13 +15,14 @@ def fit_for(points, sigmas=3.0, rel=0.0):
   clean = next(p for p in points if p["view"] == "clean")
   s = float(np.std(clean["reverse_kl"], ddof=1))
   n = len(clean["reverse_kl"])
-  tol = max(sigmas * s * math.sqrt(2 / n), rel * abs(np.median(clean["reverse_kl"])))
+  floor = rel * abs(np.median(clean["reverse_kl"]))
+  tol = max(sigmas * s * math.sqrt(2 / n), floor)
   losses = {p["view"]: np.median(p["reverse_kl"]) - np.median(clean["reverse_kl"]) for p in points}
   failing = [p["mismatch"] for p in points if losses[p["view"]] > tol]
   edge = min(failing) if failing else math.inf
   passing = [p["mismatch"] for p in points if losses[p["view"]] <= tol and p["mismatch"] < edge]
   return {"metrics": ["reverse_kl"], "tolerance": {"reverse_kl": tol}, "clean_std": {"reverse_kl": s},
-          "tolerance_sigmas": sigmas, "seeds": n, "budget": max(passing)}
+          "tolerance_sigmas": sigmas, "tolerance_floor": {"reverse_kl": floor}, "seeds": n, "budget": max(passing)}
 
 
 def point(view, mismatch, centre, spread=0.02):
@@ -90,14 +91,36 @@ def test_claim1_inconclusive_when_the_fitted_budget_is_not_between_the_bracketin
   assert "not between" in v.reason
 
 
+def test_claim1_tolerance_takes_n_from_the_clean_seeds_run_not_the_pilots_count():
+  # The pilot ran 3 clean seeds (the fit's `seeds`), the bracket topped the clean view up to 6. With k = 3 and the
+  # clean std s, k*s*sqrt(2/3) is 0.044 and k*s*sqrt(2/6) 0.031: a loss of 0.04 passes only under n = 3.
+  clean6 = [0.98, 1.0, 1.02, 0.98, 1.0, 1.02]
+  s = float(np.std(clean6, ddof=1))
+  points = [{"view": "clean", "mismatch": 0.0, "reverse_kl": clean6},
+            {"view": "a", "mismatch": 0.1, "reverse_kl": [1.035, 1.04, 1.045]}]
+  fit = {"metrics": ["reverse_kl"], "clean_std": {"reverse_kl": s}, "tolerance_sigmas": 3.0,
+         "tolerance_floor": {"reverse_kl": 0.0}, "seeds": 3, "budget": 0.0}
+  v = V.budget_bracket(points, fit, {"reverse_kl": 3.0}, {"used": 9, "budget": 12})
+  assert v.evidence["clean_seeds"] == 6
+  assert v.evidence["tolerance"]["reverse_kl"] == pytest.approx(3 * s * math.sqrt(2 / 6))
+  assert 3 * s * math.sqrt(2 / 6) < 0.04 < 3 * s * math.sqrt(2 / 3)  # the setting separates the two rules
+  assert not v.evidence["views"][0]["pass"]
+  # The one rule, shared by the calibration's fit and the re-derivation from a result file's evidence.
+  from opdjax.analyses import admission, rederive
+  cal = admission.fit_budget([dict(p) for p in points], 3, 3.0, 0.0)
+  assert cal["clean_seeds"] == 6 and cal["tolerance"] == v.evidence["tolerance"]
+  stored = json.loads(json.dumps(v.to_dict()))
+  assert rederive.derive("1", {"evidence": stored["evidence"]}, {}).label == v.label
+  assert V.tolerance(0.02, 2, 3.0, 0.5) == (0.5, "floor") and V.tolerance(0.02, 2, 3.0, 0.0)[1] == "clean spread"
+
+
 def test_claim1_says_which_side_set_the_tolerance():
   points = [{"view": "clean", "mismatch": 0.0, "reverse_kl": CLEAN}, point("b", 1.0, 3.0)]
-  fit = {**fit_for(points, rel=1.2), "tolerance_set_by": {"reverse_kl": "floor"}}
-  v = V.budget_bracket(points, fit, {"reverse_kl": 3.0}, {"used": 6, "budget": 6})
+  v = V.budget_bracket(points, fit_for(points, rel=1.2), {"reverse_kl": 3.0}, {"used": 6, "budget": 6})
   assert v.label == "inconclusive (underpowered)" and "seeds cannot lower it" in v.reason
   assert v.reason.endswith("tolerance set by the floor") and v.evidence["tolerance_set_by"] == {"reverse_kl": "floor"}
-  v = V.budget_bracket(points, {**fit_for(points), "tolerance_set_by": {"reverse_kl": "clean spread"}},
-                       {"reverse_kl": 3.0}, {"used": 6, "budget": 6, "ceiling": "noise_sigma=12.8"})
+  v = V.budget_bracket(points, fit_for(points), {"reverse_kl": 3.0},
+                       {"used": 6, "budget": 6, "ceiling": "noise_sigma=12.8"})
   assert v.reason.endswith("tolerance set by the clean spread"), v.reason
   # b fails clearly: an upper bound only; without it, the ceiling is the reason of a lower bound.
   low = [points[0], point("a", 0.5, 1.0)]

@@ -12,7 +12,7 @@ upper end is within the budget.
 The budget fit: a view's quality is the median over its seeds of the final held-out reverse KL
 and verifier accuracy (short OPD runs converge at a random moment, and one late seed would
 dominate a mean of three); s = the seed standard deviation of the clean runs; tolerance =
-max(tolerance_sigmas * s * sqrt(2 / seeds), tolerance_rel * |clean median|); a view passes when
+max(tolerance_sigmas * s * sqrt(2 / n), tolerance_rel * |clean median|), n the clean seeds run; a view passes when
 its quality loss against clean (reverse KL up, accuracy down) is within the tolerance on every
 metric. (Not a std pooled over all views: unstable views would widen their own tolerance.)
 The budget is the largest mismatch among passing views that lies below the smallest failing
@@ -32,6 +32,7 @@ from opdjax.analyses import bracket, reporting
 from opdjax.analyses.mismatch import Measurer, parse_views, warmup_history
 from opdjax.analyses.sweep import final_quality, sweep_config, train_run
 from opdjax.analyses.verdicts import QUALITY, clean_gain, seeds_needed
+from opdjax.analyses.verdicts import tolerance as verdicts_tolerance
 from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
 from opdjax.models.quant import QuantFormat
@@ -95,14 +96,13 @@ def fit_budget(points: list[dict], seeds: int, tolerance_sigmas: float, toleranc
   fit = {"metrics": metrics, "seeds": seeds, "tolerance_sigmas": tolerance_sigmas, "tolerance_rel": tolerance_rel,
          "clean_std": {}, "tolerance": {}}
   fit["tolerance_spread"], fit["tolerance_floor"], fit["tolerance_set_by"] = {}, {}, {}
+  fit["clean_seeds"] = n = len(clean[metrics[0]])  # the tolerance's n: the clean seeds run, not `seeds`
   for m in metrics:
     s = float(np.std(clean[m], ddof=1))
     fit["clean_std"][m] = s
-    spread = float(tolerance_sigmas * s * np.sqrt(2.0 / seeds))
-    floor = float(tolerance_rel * abs(np.median(clean[m])))
-    fit["tolerance_spread"][m], fit["tolerance_floor"][m] = spread, floor
-    fit["tolerance"][m] = max(spread, floor)
-    fit["tolerance_set_by"][m] = "clean spread" if spread >= floor else "floor"
+    fit["tolerance_spread"][m] = verdicts_tolerance(s, n, tolerance_sigmas, 0.0)[0]
+    fit["tolerance_floor"][m] = floor = float(tolerance_rel * abs(np.median(clean[m])))
+    fit["tolerance"][m], fit["tolerance_set_by"][m] = verdicts_tolerance(s, n, tolerance_sigmas, floor)
   for p in points:
     p["quality_loss"], p["pass"] = judge(p, clean, fit)
   failing = [p["mismatch"] for p in points if not p["pass"]]

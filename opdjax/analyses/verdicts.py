@@ -11,8 +11,9 @@ seeds a CPU run affords: that is what the data say.
 Claim 1 (a mismatch budget exists; quality degrades beyond it), `budget_bracket`:
   quality loss of a view = sign * (median of its seeds - median of the clean seeds) on each metric
   (the calibration fit's own number); its interval adds +-t * sqrt(s_view^2/n + s_clean^2/n) (Welch).
-  The tolerance is the fit's: k * s_clean * sqrt(2/n) (k = calibrate.tolerance_sigmas, s_clean the
-  clean runs' seed std), floored at tolerance_rel * |clean|. Power: the tolerance must be at most
+  The tolerance (`tolerance`, the fit's and the re-derivation's one rule): k * s_clean * sqrt(2/n) (k =
+  calibrate.tolerance_sigmas, s_clean the clean runs' seed std, n the clean seeds run, top-ups included: not
+  the pilot's calibrate.seeds), floored at tolerance_rel * |clean|. Power: the tolerance must be at most
   half the clean runs' gain over the starting student (else a view that undid half of what OPD
   learned would pass); `seeds_needed` is the smallest n for which k * s_clean * sqrt(2/n) is.
   holds: a passing view below the smallest *clearly* failing view (interval low end above the
@@ -48,8 +49,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from opdjax.analyses.intervals import CONFIDENCE, interval, welch_half_width  # noqa: F401 (verdicts.interval)
+
 OUTCOMES = ("holds", "does not hold", "inconclusive")
-CONFIDENCE = 0.95
 QUALITY = {"reverse_kl": +1, "accuracy": -1}  # sign of "worse" (reverse KL up, accuracy down)
 HELDOUT_MIN_PROMPTS = 9  # claim 2's interval over held-out prompts needs more than 8 of them
 
@@ -144,27 +146,11 @@ def _finite(x):
   return x
 
 
-def interval(values, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
-  """(mean, low, high): Student-t interval of the mean; (x, -inf, inf) from a single value."""
-  x = np.asarray(values, np.float64)
-  m = float(x.mean())
-  if x.size < 2:
-    return m, -math.inf, math.inf
-  half = float(_t_ppf(0.5 + confidence / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
-  return m, m - half, m + half
-
-
-def welch_half_width(a, b, confidence: float = CONFIDENCE) -> float:
-  """Half-width of the Welch interval of mean(a) - mean(b); inf with fewer than 2 values a side."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  if a.size < 2 or b.size < 2:
-    return math.inf
-  va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
-  se2 = va + vb
-  if se2 == 0:
-    return 0.0
-  df = se2 ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))
-  return float(_t_ppf(0.5 + confidence / 2, df) * math.sqrt(se2))
+def tolerance(clean_std: float, clean_seeds: int, sigmas: float, floor: float) -> tuple[float, str]:
+  """(claim 1's tolerance on a metric, what set it): sigmas * clean_std * sqrt(2 / clean_seeds), with clean_seeds
+  the clean view's seeds as run (the spread its median has), floored at `floor` (tolerance_rel * |clean median|)."""
+  spread = float(sigmas * clean_std * math.sqrt(2.0 / clean_seeds))
+  return max(spread, floor), "clean spread" if spread >= floor else "floor"
 
 
 def seeds_needed(clean_std: float, gain: float, sigmas: float) -> int | None:
@@ -172,14 +158,6 @@ def seeds_needed(clean_std: float, gain: float, sigmas: float) -> int | None:
   if gain <= 0:
     return None
   return max(2, math.ceil(2 * (2 * sigmas * clean_std / gain) ** 2))
-
-
-def _t_ppf(q: float, df: float) -> float:
-  """Student's t quantile (scipy, imported here: `opdjax calibrate` and `admit` import this module for
-  QUALITY and clean_gain, which need no scipy)."""
-  from scipy import stats
-
-  return float(stats.t.ppf(q, df))
 
 
 def clean_gain(clean: dict, start: dict, m: str) -> float:
@@ -201,35 +179,39 @@ def view_loss(quality: dict, clean: dict, metrics) -> dict:
 
 def budget_bracket(points: list[dict], fit: dict, start: dict, runs: dict) -> Verdict:
   """`points`: calibration points ({view, mismatch, <metric>: [seed values]}, one `clean`), `fit`:
-  the calibration's fit (metrics, tolerance, clean_std, tolerance_sigmas, seeds, budget; and, from
-  fits that record it, tolerance_set_by), `start`: the step-0 quality, `runs`: {used, budget,
+  the calibration's fit (metrics, clean_std, tolerance_sigmas, tolerance_floor, seeds, budget; the tolerance is
+  recomputed from the clean seeds run), `start`: the step-0 quality, `runs`: {used, budget,
   max_seeds (optional), ceiling (optional: the bracket's stated ceiling)} training runs."""
-  metrics, tol = fit["metrics"], fit["tolerance"]
+  metrics = fit["metrics"]
   clean = next(p for p in points if p["view"] == "clean")
   gain = {m: clean_gain(clean, start, m) for m in metrics}
-  need = {m: seeds_needed(fit["clean_std"][m], gain[m], fit["tolerance_sigmas"]) for m in metrics}
   rows = []
   for p in sorted((p for p in points if p["view"] != "clean"), key=lambda p: p["mismatch"]):
     loss = view_loss(p, clean, metrics)
     rows.append({"view": p["view"], "mismatch": p["mismatch"], "seeds": len(p[metrics[0]]),
                  "loss": {m: list(v) for m, v in loss.items()}})
-  ev = {"tolerance": tol, "tolerance_set_by": fit.get("tolerance_set_by", {}), "clean_gain": gain,
-        "seeds": fit["seeds"], "seeds_needed": need, "runs": runs, "budget": fit["budget"], "views": rows}
+  ev = {"clean_std": fit["clean_std"], "clean_seeds": len(clean[metrics[0]]),  # the tolerance's n: seeds run
+        "tolerance_sigmas": fit["tolerance_sigmas"], "tolerance_floor": fit["tolerance_floor"], "clean_gain": gain,
+        "seeds": fit["seeds"], "runs": runs, "budget": fit["budget"], "views": rows}
   return bracket_verdict(ev)
 
 
 def bracket_verdict(ev: dict) -> Verdict:
   """Claim 1's decision from its evidence (`budget_bracket`'s: per view its quality-loss intervals, pass and
-  clear_fail; the tolerance, clean gain, seeds, seeds needed, runs and fitted budget): what `docs.py --check`
-  re-derives from a result file."""
+  clear_fail; the clean std and seeds run, tolerance sigmas and floor, clean gain, seeds, runs and fitted budget):
+  what `docs.py --check` re-derives from a result file. The tolerance and seeds needed are recomputed here."""
   falsifier = FALSIFIER["1"]
-  tol, gain, need, runs, rows = ev["tolerance"], ev["clean_gain"], ev["seeds_needed"], ev["runs"], ev["views"]
+  std, n, k, gain, runs, rows = (ev[x] for x in ("clean_std", "clean_seeds", "tolerance_sigmas", "clean_gain", "runs",
+                                                 "views"))
+  rule = {m: tolerance(std[m], n, k, ev["tolerance_floor"][m]) for m in std}
+  tol = ev["tolerance"] = {m: t for m, (t, _) in rule.items()}
+  set_by = ev["tolerance_set_by"] = {m: b for m, (_, b) in rule.items()}
+  need = ev["seeds_needed"] = {m: seeds_needed(std[m], gain[m], k) for m in std}
   metrics, fit = list(tol), {"seeds": ev["seeds"], "budget": ev["budget"]}
   for r in rows:  # from the intervals (a stored JSON interval end of None is unbounded)
     r["pass"] = all(r["loss"][m][0] <= tol[m] for m in metrics)
     r["clear_fail"] = any(r["loss"][m][1] is not None and r["loss"][m][1] > tol[m] for m in metrics)
-  set_by = ev.get("tolerance_set_by") or {}
-  source = (f"; tolerance set by the {' / '.join(sorted(set(set_by.values())))}" if set_by else "")
+  source = f"; tolerance set by the {' / '.join(sorted(set(set_by.values())))}"
 
   def verdict(outcome, reason, label=""):
     return Verdict("1", outcome, reason + source, falsifier.text, ev, label)
@@ -253,7 +235,7 @@ def bracket_verdict(ev: dict) -> Verdict:
     more = (f"; the floor (calibrate.tolerance_rel) sets the tolerance on {', '.join(floor)}: seeds cannot lower "
             "it, longer runs (a larger gain) or a lower floor can" if floor else "")
     return verdict("inconclusive", f"underpowered: the tolerance on {', '.join(weak)} exceeds half the clean runs' "
-                   f"gain (seeds {fit['seeds']}, needed {', '.join(f'{m} {need[m]}' for m in weak)}{cap}{more})",
+                   f"gain (clean seeds {n}, needed {', '.join(f'{m} {need[m]}' for m in weak)}{cap}{more})",
                    "inconclusive (underpowered)")
   if not fails:
     top = max(rows, key=lambda r: r["mismatch"]) if rows else None

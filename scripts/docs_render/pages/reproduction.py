@@ -137,8 +137,7 @@ def _claim1_evidence(title: str, c: dict) -> list[str]:
   tol = ", ".join(f"{m} {v:.3g}" for m, v in ev["tolerance"].items())
   gain = ", ".join(f"{m} {v:.3g}" for m, v in ev["clean_gain"].items())
   need = ", ".join(f"{m} {v}" for m, v in ev["seeds_needed"].items())
-  clean = next((p for p in c.get("points", []) if p["view"] == "clean"), None)
-  seeds = f" (clean {clean['seeds']})" if clean and "seeds" in clean else ""
+  seeds = f" (clean {ev['clean_seeds']}, the tolerance's n)" if "clean_seeds" in ev else ""
   out = [f"- **{title}** ({c['label']}): {ev['seeds']} seeds a view{seeds} (pilot {power.get('pilot_seeds', '-')};"
          f" needed by the clean spread: {need}; at most {ev['runs'].get('max_seeds', '-')} from the run budget of"
          f" {ev['runs']['budget']}, {ev['runs']['used']} runs used); clean gain over the start {gain};"
@@ -232,12 +231,14 @@ def _clean_point(r: dict) -> dict:
 
 def repro_power(r: dict) -> str:
   """Claim 1's power step: the pilot's spread, the seeds it called for, and the tolerance at the pilot's
-  seeds against the final one (k·s·sqrt(2/n) at the pilot's std and seeds: the final tolerance scaled)."""
+  seeds against the final one (the rule's tolerance at the pilot's std and seeds)."""
+  from opdjax.analyses.verdicts import tolerance
+
   c = _claim(r, "1")
   ev, pw = c["evidence"], c["power"]
   first, last = pw["rounds"][0], pw["rounds"][-1]
-  pilot = {m: t * first["clean_std"][m] / last["clean_std"][m] * (ev["seeds"] / pw["pilot_seeds"]) ** 0.5
-           for m, t in ev["tolerance"].items()}
+  pilot = {m: tolerance(first["clean_std"][m], pw["pilot_seeds"], ev["tolerance_sigmas"], ev["tolerance_floor"][m])[0]
+           for m in ev["tolerance"]}
   tol, gain = ev["tolerance"], ev["clean_gain"]
   below = "below" if tol["accuracy"] <= gain["accuracy"] / 2 else "not below"
   return (f"The {pw['pilot_seeds']} clean pilot seeds (accuracy std {first['clean_std']['accuracy']:.3f}) called for"
