@@ -260,10 +260,11 @@ def leftovers(state: dict) -> list[str]:
   return out
 
 
-def _cmdline(pid: int) -> str:
+def _cmdline(pid: int, limit: int | None = 120) -> str:
+  """`pid`'s command line, cut at `limit` characters for a status line (None: whole, for a test to read)."""
   try:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-      return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+      return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
   except OSError:
     return "?"
 

@@ -102,7 +102,7 @@ class Cluster:
     """The command lines of `host`'s processes (its namespace holder excluded)."""
     sc = _script_module()
     holder = self.state()["holders"][host]
-    return [sc._cmdline(p) for p in sc.members(holder)]
+    return [sc._cmdline(p, None) for p in sc.members(holder)]
 
 
 def _script_module():

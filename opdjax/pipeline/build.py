@@ -101,7 +101,7 @@ def teacher_folder(cfg, task) -> tuple[str, ModelConfig]:
   else:
     raise UserError("teacher.path is empty: give an HF safetensors folder for the served teacher.")
   check_task_vocab("teacher", model_cfg.vocab_size, task)
-  return path, model_cfg.replace(shared_vocab=shared_vocab(model_cfg.vocab_size, task.vocab_size))
+  return path, model_cfg.replace(shared_vocab=_shared_vocab(cfg, model_cfg.vocab_size, task))
 
 
 def route_targets(cfg, task) -> dict:
@@ -123,6 +123,16 @@ def route_targets(cfg, task) -> dict:
   return out
 
 
+def _shared_vocab(cfg, model_vocab: int, task) -> int:
+  """The ids logits run over (`ModelConfig.shared_vocab`): the tokenizer's, cutting padded rows, where the pair's
+  tables differ in size (Qwen2.5-7B's 152064 rows vs 0.5B's 151936); a pair of one table size keeps every row, as
+  vLLM (a served teacher, vLLM rollouts) normalizes over its whole table and cannot cut what it returns."""
+  rows = {ModelConfig.from_pretrained(resolve(m.path)).vocab_size for m in (cfg.student, cfg.teacher) if m.path}
+  if rows <= {model_vocab}:
+    return 0
+  return shared_vocab(model_vocab, task.vocab_size)
+
+
 def load_model(role: str, cfg, task):
   """(Model, params) of `role` (teacher or student) from the typed config."""
   mc = getattr(cfg, role)
@@ -138,7 +148,7 @@ def load_model(role: str, cfg, task):
   else:
     raise UserError(f"{role}.path is empty: give an HF safetensors folder for the {role}.")
   check_task_vocab(role, model_cfg.vocab_size, task)
-  model_cfg = model_cfg.replace(dtype=cfg.model.dtype, shared_vocab=shared_vocab(model_cfg.vocab_size, task.vocab_size))
+  model_cfg = model_cfg.replace(dtype=cfg.model.dtype, shared_vocab=_shared_vocab(cfg, model_cfg.vocab_size, task))
   return Model(model_cfg, remat_policy=cfg.model.remat_policy), params
 
 
