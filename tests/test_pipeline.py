@@ -114,7 +114,8 @@ def test_print_config_lists_every_key(tmp_path, capsys):
   assert cli.main(["calibrate", "--out", str(tmp_path / "c"), "--print-config", "--config.calibrate.seeds=4"]) == 0
   lines = capsys.readouterr().out.splitlines()
   assert len(lines) == len(flat(Config().to_dict()))
-  assert "calibrate.seeds = 4" in lines and "rollout.vllm.extra_args = ''" in lines
+  values = dict(line.split("  #")[0].rstrip().split(" = ", 1) for line in lines)  # each key's description after it
+  assert values["calibrate.seeds"] == "4" and values["rollout.vllm.extra_args"] == "''"
   assert not os.path.exists(tmp_path / "c")
 
 
