@@ -82,7 +82,8 @@ def test_opd_on_hf_folders_with_chat_prompts(folders, tmp_path, monkeypatch):
   recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
   assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]
   assert all(np.isfinite(r["reverse_kl"]) and "accuracy" not in r for r in recs)
-  assert temperatures and 0.0 not in temperatures  # no verifier: no greedy held-out pass to score
+  # No verifier, so no accuracy; the greedy passes are the teacher-side measures' (teacher_nll, teacher_f1).
+  assert temperatures and 0.0 in temperatures and all("teacher_f1" in r for r in recs if "reverse_kl" in r)
   assert recs[-1]["grad_norm"] > 0
   # The trained student is an HF folder transformers loads, and it differs from the initial one.
   a = transformers.AutoModelForCausalLM.from_pretrained(out / "student")
@@ -92,7 +93,9 @@ def test_opd_on_hf_folders_with_chat_prompts(folders, tmp_path, monkeypatch):
   assert torch.isfinite(a(torch.tensor([[3, 4, 5]])).logits).all()
 
 
-def test_vocab_mismatch_between_folders_is_one_clear_error(folders, tmp_path, capsys):
+def test_a_padded_student_table_trains_over_the_tokenizers_ids(folders, tmp_path):
+  """A student whose embedding table has more rows than the teacher's (500 vs VOCAB, no tokenizer of its own to
+  differ): padded rows are allowed on either side and cut from every logit (opdjax.models.vocab), so it trains."""
   import transformers
 
   other = tmp_path / "big-vocab"
@@ -100,9 +103,9 @@ def test_vocab_mismatch_between_folders_is_one_clear_error(folders, tmp_path, ca
                                  num_attention_heads=2)
   transformers.LlamaForCausalLM(cfg).save_pretrained(other)
   rc = cli.main(_args(folders, tmp_path / "run", f"--config.student.path={other}", "--config.train.steps=1"))
-  assert rc == 2
-  assert f"vocab_size=500 != teacher vocab_size={VOCAB}" in capsys.readouterr().err
-  assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+  assert rc == 0
+  recs = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  assert [r["step"] for r in recs] == [0, 1] and np.isfinite(recs[-1]["reverse_kl"])
 
 
 def test_prompt_longer_than_engine_is_one_clear_error(folders, tmp_path, capsys):
