@@ -60,8 +60,7 @@ def main(argv=None) -> int:
       continue
     c = (load_config_file(args.config) if args.config else default_config()).to_dict()
     c["loss"].update(kind=args.kind, baseline=baseline, student_term=term)
-    if args.form != "trainer":
-      c["loss"]["student_logprobs"] = args.form
+    c["loss"]["student_logprobs"] = args.form
     c["optim"]["learning_rate"] = float(lr)
     cfg = sweep_config(build(c), args.steps, args.steps)
     t0, load0 = time.time(), os.getloadavg()[0]

@@ -97,10 +97,10 @@ def prepare(params, cfg: ModelConfig) -> dict:
   # Rows beyond the shared tokenizer (`cfg.logit_size`) are padding: no prompt or sample holds their ids, and
   # cut here, once per weight version, they get no logit and so no probability in any sample.
   v = cfg.logit_size
-  out = {"embed": unpacked(params["embed_tokens"]["embedding"][:v]), "norm": unpacked(params["norm"]["weight"]),
-         "layers": tuple(layers)}
+  out = {"embed": unpacked(params["embed_tokens"]["embedding"])[:v], "norm": unpacked(params["norm"]["weight"]),
+         "layers": tuple(layers)}  # dequantized before the cut: a packed fp8 table (QArray) is not sliceable
   if not cfg.tie_word_embeddings:
-    out["lm_head"] = unpacked(params["lm_head"]["kernel"][:, :v])
+    out["lm_head"] = unpacked(params["lm_head"]["kernel"])[:, :v]
   return out
 
 

@@ -83,7 +83,10 @@ def _checksum_of(x, kind: str):
   CPU array); sum: the on-device sum above (one collective over every process's shards)."""
   if kind == "crc32":
     return f"crc32:{zlib.crc32(_host_bytes(x)):08x}"
-  return _checksum(x if isinstance(x, jax.Array) else jnp.asarray(x))
+  # Read back before the next array's: on XLA:CPU several processes' programs run asynchronously, and two
+  # collectives in flight at once paired up across processes in different orders (the two-process lag run's
+  # final save hung with process 0 in one array's sum and process 1 in another's).
+  return np.asarray(_checksum(x if isinstance(x, jax.Array) else jnp.asarray(x)))
 
 
 def tree_checksums(tree, kinds: dict[str, str] | None = None) -> dict[str, str]:
@@ -92,6 +95,7 @@ def tree_checksums(tree, kinds: dict[str, str] | None = None) -> dict[str, str]:
   `kinds` ({path: kind}): compute those kinds instead (a restore checks what the save recorded, whatever the
   restored layout). Every process must call it with the same tree (a global array's sum is a collective)."""
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  jax.block_until_ready([x for _, x in leaves if isinstance(x, jax.Array)])  # no program of the tree's in flight
   out = {}
   for path, x in leaves:
     if not isinstance(x, (jax.Array, np.ndarray)) or not np.size(x):
