@@ -110,8 +110,9 @@ EXTRA_VIEWS = {("addition", False): 2, ("addition", True): 1, ("smollm2", False)
 # (6 a view) before the 2026-12-06 afternoon run, because at 6 the 2026-12-06 morning run (commit 9f316b0) left
 # claim 1 an upper bound only: noise_sigma=0.1 (mismatch 0.0035) and 0.4 lost 0.023 accuracy on the median
 # against a tolerance of 0.018, both against the same 6 clean seeds (one shared baseline; the difference of
-# medians has a standard error near 1.25 x the clean spread x sqrt(2/n)), and both were held at the 6-seed cap. SmolLM2: 2, the pilot's (~100 s a run on 2
-# cores: each seed more over 8 views and 7 candidates costs ~25 min, past the 60-minute target).
+# medians has a standard error near 1.25 x the clean spread x sqrt(2/n)), and both were held at the 6-seed cap.
+# SmolLM2: 2, the pilot's (~100 s a run on 2 cores: each seed more over 8 views and 7 candidates costs
+# ~25 min, past the 60-minute target).
 RUN_BUDGET = {("addition", False): 72, ("addition", True): 10, ("smollm2", False): 16, ("smollm2", True): 8}
 REPLICATES = {("addition", False): 3, ("addition", True): 2, ("smollm2", False): 3, ("smollm2", True): 2}
 CONFIGS = {"addition": None, "smollm2": os.path.join(ROOT, "configs", "smollm2_study.py")}

@@ -284,8 +284,8 @@ def pytest_configure(config):
 # they run first, so that pytest-xdist's workers, which take whole files in this order, end together
 # (the short files fill in last) instead of one worker starting a four-minute file at the end.
 SLOWEST_FILES = ("test_slurm.py", "test_served_teacher.py", "test_served_teacher_vllm.py", "test_async_multi.py",
-                 "test_weight_sync.py",
-                 "test_parallel.py", "test_vllm.py",
+                 "test_parallel.py", "test_served_teacher_multi.py", "test_weight_sync.py", "test_orphans.py",
+                 "test_vllm.py",
                  "test_pipeline.py", "test_vllm_multi.py", "test_mismatch.py", "test_reproduce.py",
                  "test_async_mesh.py", "test_train_hf.py", "test_train.py", "test_vllm_auth.py", "test_cpus.py",
                  "test_async.py", "test_run_errors.py", "test_checkpoint.py", "test_admission.py", "test_fetch.py")
