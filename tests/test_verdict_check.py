@@ -69,6 +69,8 @@ def test_a_stale_verdict_fails_unless_marked_superseded_and_the_page_shows_both_
 @pytest.mark.slow  # docs.py --check redraws the PNGs
 def test_docs_check_fails_on_a_tampered_verdict(tmp_path, capsys):
   root = _copy(tmp_path)
-  _tamper(root, "reproduction_addition", "1", "holds")
+  r = json.load(open(root / "docs" / "results" / "reproduction_addition.json"))
+  other = "does not hold" if r["result"]["claims"]["1"]["verdict"] != "does not hold" else "holds"
+  _tamper(root, "reproduction_addition", "1", other)
   assert docs.main(["--check", "--root", str(root)]) == 1
-  assert "docs/results/reproduction_addition.json: claim 1 records 'holds'" in capsys.readouterr().err
+  assert f"docs/results/reproduction_addition.json: claim 1 records '{other}'" in capsys.readouterr().err

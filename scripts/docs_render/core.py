@@ -46,12 +46,19 @@ def load_result(root: str, name: str) -> dict:
   return r
 
 
+FRESH, RECORDED = "fresh run", "run by `docs.py --record` on "  # --refresh NAME; --refresh NAME --from DIR (+ date)
+
+
+def measured(r: dict) -> bool:
+  return r.get("measured") == FRESH or str(r.get("measured")).startswith(RECORDED)  # a command wrote it
+
+
 def verify_digest(r: dict, where: str) -> None:
   """Every result file carries a `digest`, written with it by the command's writer (`docs.py --refresh`, through
   `reporting.record_digest`, the one helper that makes one), and must still match it: a field changed
   afterwards, or a file no command signed, is refused. The result inside (e.g. a reproduction.json, which
   scripts/reproduce.py signs itself) is checked the same way when it carries its own."""
-  if "digest" not in r or r.get("measured") != "fresh run":
+  if "digest" not in r or not measured(r):
     raise DocsError(f"{where} carries no digest, so a hand edit would pass: re-run its command with"
                     " `python scripts/docs.py --refresh NAME` (its writer signs it), or move the figure to"
                     " docs/history.md")
@@ -173,7 +180,7 @@ def refresh(root: str, name: str, from_dir: str | None = None) -> dict:
     rec = record(root, name, run)
   result = fig.collect(run)
   r = {"command": rec["command"], "commit": rec["commit"], "worktree": rec["worktree"], "machine": rec["machine"],
-       "date": rec["date"], "measured": "fresh run" if not from_dir else f"run by `docs.py --record` on {rec['date']}",
+       "date": rec["date"], "measured": FRESH if not from_dir else f"{RECORDED}{rec['date']}",
        "load": rec["load"], **({"note": fig.note} if fig.note else {}), "wall_s": rec["wall_s"], "result": result}
   r["digest"] = reporting.record_digest(r)
   reporting.write_json(result_path(root, name), r)
