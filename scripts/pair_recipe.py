@@ -11,7 +11,8 @@ answers against the teacher's (`teacher_f1`, opdjax.pipeline.heldout); the colla
 (entropy, distinct-token share, longest repeated n-gram) and its events; two samples of the last step with
 the teacher's own completion beside them. Per measure: the change first -> last evaluation per seed, its
 mean and a 95% t-interval across seeds. The verdict `closer` holds when every interval lies on the side of
-getting closer (reverse KL and NLL down, F1 up) and no collapse event fired; it could fail (the project's
+getting closer (reverse KL and NLL down, F1 up) and the collapse guard fired no event (the length guard's
+events are reported beside it); it could fail (the project's
 previous recipe, every other layer at lr 1e-5, raised the NLL 13.5 -> 17.7 while entropy fell 4.06 -> 0.15).
 
 Writes OUT/pair_recipe.json: the settings, per seed the curve and the changes, the intervals, the
@@ -90,6 +91,9 @@ def main(argv=None) -> int:
   changes = {k: interval([runs[s]["change"][k] for s in seeds]) for k in MEASURES}
   closer = {k: (iv["high"] < 0 if d < 0 else iv["low"] > 0) for (k, d), iv in zip(MEASURES.items(), changes.values())}
   events = sum(len(r["events"]) for r in runs.values())
+  # The verdict's collapse signal is the collapse guard's: the length guard's events say completions hit
+  # rollout.max_new_tokens, as the teacher's own answers do at this cap (the docs page counts the same way).
+  collapse = sum(e["event"].startswith("collapse") for r in runs.values() for e in r["events"])
   config = json.load(open(os.path.join(args.out, f"seed{seeds[0]}", "config.json")))
   result = {
       "settings": {"config": "configs/smollm2_opd.py", "overrides": args.set, "seeds": seeds,
@@ -99,7 +103,8 @@ def main(argv=None) -> int:
                    "rollout.max_new_tokens": config["rollout"]["max_new_tokens"],
                    "task.num_eval": config["task"]["num_eval"]},
       "runs": {str(s): r for s, r in runs.items()}, "changes": changes, "closer": closer, "events": events,
-      "verdict": "closer" if all(closer.values()) and not events else "not shown",
+      "collapse_events": collapse,
+      "verdict": "closer" if all(closer.values()) and not collapse else "not shown",
       "wall_s": round(time.time() - t0, 1), "load_average": {"start": round(load0, 1),
                                                              "end": round(os.getloadavg()[0], 1)},
       "commit": commit + ("+modified" if dirty else ""), "date": time.strftime("%Y-%m-%d"),
