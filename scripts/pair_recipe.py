@@ -4,7 +4,8 @@ teacher, a cut of it as the student, configs/smollm2_opd.py) over several seeds,
   python scripts/pair_recipe.py --out runs/pair [--seeds 0,1,2] [--set KEY=VALUE ...]
 
 Runs `opdjax train --config configs/smollm2_opd.py` once a seed (`seed=S`, every run's own folder
-OUT/seedS; the seeds run side by side, and the same command resumes unfinished runs), then reads each run's
+OUT/seedS; the seeds run side by side as far as memory allows, `--jobs`; the same command resumes unfinished
+runs), then reads each run's
 metrics.jsonl: the held-out reverse KL on the student's own samples, and from the teacher's side the
 student's per-token NLL on the teacher's greedy completions (`teacher_nll`) and the token F1 of its greedy
 answers against the teacher's (`teacher_f1`, opdjax.pipeline.heldout); the collapse guard's signals
@@ -44,18 +45,40 @@ def interval(x) -> dict:
           "values": [float(v) for v in x]}
 
 
-def run_seeds(out: str, seeds: list[int], sets: list[str]) -> None:
-  procs = []
-  for s in seeds:
-    folder = os.path.join(out, f"seed{s}")
-    cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", "configs/smollm2_opd.py", "--out", folder,
-           f"--config.seed={s}", "--config.train.log_samples_every=5"] + [f"--config.{kv}" for kv in sets]
-    log = open(os.path.join(out, f"seed{s}.log"), "a")
-    procs.append((s, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                      env={**os.environ, "PYTHONPATH": ROOT})))
-  for s, p in procs:
+PEAK_GIB = 9  # one seed's peak resident memory (8.4 GB measured, 16 held-out prompts): three side by side were
+# OOM-killed on the 23 GiB box (2026-12-06)
+
+
+def default_jobs(n: int) -> int:
+  """Seeds run side by side: as many as the available memory holds at PEAK_GIB each (at least one)."""
+  avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30  # free; MemAvailable below if read
+  try:
+    avail = int(next(line for line in open("/proc/meminfo") if line.startswith("MemAvailable")).split()[1]) / 2**20
+  except (OSError, StopIteration):
+    pass
+  return max(1, min(n, int(avail // PEAK_GIB)))
+
+
+def run_seeds(out: str, seeds: list[int], sets: list[str], jobs: int) -> None:
+  """At most `jobs` seeds at once; the next starts when the oldest running one ends."""
+  pending, procs = list(seeds), []
+  while pending or procs:
+    while pending and len(procs) < jobs:
+      procs.append(_start(out, pending.pop(0), sets))
+    s, p = procs.pop(0)
     if p.wait():
+      for _, q in procs:
+        q.kill()
       raise SystemExit(f"seed {s} exited {p.returncode}: see {out}/seed{s}.log")
+
+
+def _start(out: str, s: int, sets: list[str]):
+  folder = os.path.join(out, f"seed{s}")
+  cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", "configs/smollm2_opd.py", "--out", folder,
+         f"--config.seed={s}", "--config.train.log_samples_every=5"] + [f"--config.{kv}" for kv in sets]
+  log = open(os.path.join(out, f"seed{s}.log"), "a")
+  env = {**os.environ, "PYTHONPATH": ROOT}
+  return s, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def read_seed(folder: str) -> dict:
@@ -78,15 +101,18 @@ def main(argv=None) -> int:
   ap.add_argument("--seeds", default="0,1,2")
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                   help="a config override for every seed (e.g. optim.learning_rate=3e-5)")
+  ap.add_argument("--jobs", type=int, default=0,
+                  help=f"seeds run side by side (default: as many as the available memory holds, {PEAK_GIB} GiB each)")
   args = ap.parse_args(argv)
   seeds = [int(s) for s in args.seeds.split(",")]
+  jobs = args.jobs or default_jobs(len(seeds))
   os.makedirs(args.out, exist_ok=True)
   load0, t0 = os.getloadavg()[0], time.time()
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()  # what the runs import: read before they start
   dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()
-  run_seeds(args.out, seeds, args.set)
+  run_seeds(args.out, seeds, args.set, jobs)
   runs = {s: read_seed(os.path.join(args.out, f"seed{s}")) for s in seeds}
   changes = {k: interval([runs[s]["change"][k] for s in seeds]) for k in MEASURES}
   closer = {k: (iv["high"] < 0 if d < 0 else iv["low"] > 0) for (k, d), iv in zip(MEASURES.items(), changes.values())}

@@ -167,16 +167,43 @@ teacher_folder(served, make_task(served))
 """
 
 
+def _copy_built_demo_models(src: str, dst: str) -> None:
+  """Copies each complete demo model folder of `src` into `dst` (copies, not links: a test that damages a model
+  file must not reach the user's cache), whole entries only, each made under a temporary name and renamed
+  (another worker may be doing the same)."""
+  import shutil
+
+  if not os.path.isdir(src) or os.path.realpath(src) == os.path.realpath(dst):
+    return
+  os.makedirs(dst, exist_ok=True)
+  for name in os.listdir(src):
+    entry, target = os.path.join(src, name), os.path.join(dst, name)
+    if not os.path.isfile(os.path.join(entry, "config.json")) or os.path.exists(target):
+      continue
+    tmp = f"{target}.tmp-{os.getpid()}"
+    try:
+      shutil.copytree(entry, tmp)
+      os.rename(tmp, target)
+    except OSError:  # another worker renamed its copy first, or the source went away: build as before
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory):
   """One OPDJAX_CACHE for the session, shared by the workers. The models of configs/demo.py and
   configs/demo_served_teacher.py (3 of them, 2500 supervised steps) are built first, once, in a process at
   XLA's default optimization: at the suite's level 0 the demo's teacher and student took 65 CPU-s, at the
-  default 40 (measured 2026-12-03). A second worker waits for the first one's build (the cache's lock)."""
+  default 40 (measured 2026-12-03). A second worker waits for the first one's build (the cache's lock).
+  Demo models the README's first command already built in the user's cache (`opdjax demo`: its teacher and
+  student; CI's OPDJAX_CACHE) are copied in first, not rebuilt: an entry's folder name is the hash of all it was
+  built from (config, task, steps, batch, lr, seed, format), and only complete entries (config.json) are taken."""
   import subprocess
   import sys
 
+  from opdjax.models.fetch import cache_root
+
   path = _session_dir(tmp_path_factory, "opdjax-cache")
+  _copy_built_demo_models(os.path.join(cache_root(), "demo"), os.path.join(path, "demo"))
   old = os.environ.get("OPDJAX_CACHE")
   os.environ["OPDJAX_CACHE"] = path
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
