@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..common import Figure, _read_json, markdown_table
 
-PAIR = ("python scripts/pair_recipe.py --out {out} --seeds 0,1,2 --set student.keep_layers=0:12,18:30"
+PAIR = ("python scripts/pair_recipe.py --out {out} --seeds 0,1,2,3,4 --set student.keep_layers=0:12,18:30"
         " --set optim.learning_rate=3e-5 --set optim.total_steps=0 --set train.steps=20 --set train.eval_every=5"
         " --set task.num_eval=16")
 MEASURES = {"reverse_kl": ("held-out reverse KL, own samples", -1), "teacher_nll": ("NLL on the teacher's answers", -1),
