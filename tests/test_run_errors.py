@@ -45,7 +45,10 @@ def test_ctrl_c_is_one_line_and_the_same_command_resumes(demo_cache, tmp_path):
          # Far more steps than the wait needs (an idle box ran 400 demo steps before the signal landed).
          "--config.train.steps=20000", "--config.train.checkpoint_every=2", "--config.train.eval_every=50"]
   env = {**os.environ, "OPDJAX_CACHE": demo_cache}
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  # The child starts with SIGINT at its default, so that Python installs its Ctrl-C handler: a pytest started in
+  # the background (`pytest &`, nohup) passes SIGINT ignored down, and a run started that way rightly ignores it.
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   latest = out / "checkpoints" / "latest"
   deadline = time.time() + 240
 
