@@ -99,6 +99,7 @@ class Session:
     trainer_devices = None if self.deployment.trainer_devices is None else list(self.deployment.trainer_devices)
     self.engine_devices = None if self.deployment.engine_devices is None else list(self.deployment.engine_devices)
     say = self._say
+    say(f"tokenizing the prompts ({cfg.task.path or cfg.task.dataset or cfg.task.name})")  # a line within seconds
     self.task = make_task(cfg)
     train = len(getattr(self.task, "_train", ())) or "generated"
     say(f"tokenized the prompts: {train} for training, {len(self.task.eval_set()[0])} held out")
