@@ -41,6 +41,7 @@ def test_a_served_teacher_refuses_what_it_cannot_feed_at_the_config(changes, mes
   assert _cfg().teacher.serve == "vllm"  # the config itself is valid
 
 
+@pytest.mark.slow  # its fixture: the session's demo models, the served demo's teacher built (~50 s on 2 cores)
 def test_a_top_k_above_the_vocabulary_is_refused_before_anything_is_written(demo_cache, tmp_path):
   """The served teacher's top-K against the vocabulary: checked when the models load, before the run writes its
   config, checkpoints or metrics into a new --out (it used to be refused at the first scoring, after them)."""
