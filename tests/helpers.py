@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import socket
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,13 @@ VLLM_MAX_MODEL_LEN = 128
 VLLM_BATCH = 64
 VLLM_MODEL = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=VLLM_MAX_MODEL_LEN)
+
+
+def free_port() -> int:
+  """A TCP port free on loopback now (a coordinator's or server's, for processes the test starts)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def vllm_config(**changes):

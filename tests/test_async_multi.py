@@ -13,6 +13,7 @@ import time
 import urllib.parse
 
 import pytest
+from helpers import free_port
 
 from opdjax.models import Model
 from opdjax.models.config import ModelConfig
@@ -23,12 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=128)
 STEPS = 6
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

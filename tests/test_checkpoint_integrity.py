@@ -4,7 +4,6 @@ quarantined and the run goes on from the newest intact one; best/ is its own cop
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -179,9 +178,9 @@ distributed.finish()
 def test_a_flip_in_another_process_shards_is_caught_by_both(tmp_path):
   """Two jax.distributed processes, w sharded over both: the checksum recorded at save covers both processes'
   shards, and a bit flipped in process 1's data file fails the restore on both, into other shardings."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  from helpers import free_port
+
+  port = free_port()
   env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}
   procs = [subprocess.Popen([sys.executable, "-c", TWO, f"127.0.0.1:{port}", str(i), str(tmp_path / "ck")], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -132,9 +132,10 @@ def test_two_processes_each_tokenize_their_slice_and_hold_the_same_prompts(tok, 
   single process reads (same order, same held-out rows, same tags)."""
   import json
   import os
-  import socket
   import subprocess
   import sys
+
+  from helpers import free_port
 
   path = tmp_path / "p.parquet"
   datasets.Dataset.from_dict({"question": _texts(21), "kind": ["a", "b", "c"] * 7}).to_parquet(str(path))
@@ -143,9 +144,7 @@ def test_two_processes_each_tokenize_their_slice_and_hold_the_same_prompts(tok, 
   overrides = {"task.name": "prompts", "teacher.path": str(tok / "plain"), "student.path": str(tok / "plain"),
                "task.num_eval": "4", "rollout.max_len": "48", "rollout.max_new_tokens": "8",
                **{f"task.{k}": str(v) for k, v in task_keys.items()}}
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
   procs = [subprocess.Popen([sys.executable, "-c", SLICE, f"127.0.0.1:{port}", str(i), json.dumps(overrides)],

@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers import free_port
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
@@ -255,12 +256,6 @@ def test_data_and_fsdp_training_matches_one_device(single_device_run, tmp_path):
 
 
 # --- two processes x two devices on localhost (jax.distributed, gloo) ---
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
 
 class Procs:
   """`opdjax train` as processes 0..n-1 of one run, output to files; every child is killed at the end."""

@@ -6,29 +6,24 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from helpers import free_port
 
 from opdjax import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _closed_port() -> int:
-  with socket.socket() as s:  # bound then released: nothing listens there
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("url, says", [("http://127.0.0.1:CLOSED", "no vLLM server answers at"),
                                        ("127.0.0.1:8000", "is not a server's base URL"),
                                        ("http://127.0.0.1:8000/v1", "is not a server's base URL")])
 def test_unreachable_or_malformed_vllm_url_writes_nothing(tmp_path, capsys, url, says):
-  url = url.replace("CLOSED", str(_closed_port()))  # at run time: the same test ids in every collection
+  # A port bound then released: nothing listens there. Drawn at run time: the same test ids in every collection.
+  url = url.replace("CLOSED", str(free_port()))
   out = tmp_path / "new"
   rc = cli.main(["train", "--config", "configs/demo.py", "--out", str(out), "--config.rollout.engine=vllm",
                  f"--config.rollout.vllm.url={url}"])

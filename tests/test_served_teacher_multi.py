@@ -15,7 +15,8 @@ import sys
 
 import numpy as np
 import pytest
-from test_async_multi import MODEL, _wait, free_port
+from helpers import free_port
+from test_async_multi import MODEL, _wait
 
 from opdjax.models import Model
 from opdjax.models.hf_io import save_hf_params

@@ -9,7 +9,6 @@ start-up refusals and the retries, and hand-written answers check the parsing.
 
 import functools
 import math
-import socket
 
 import helpers
 import jax
@@ -171,9 +170,9 @@ def test_start_up_refuses_a_server_the_teacher_cannot_use(monkeypatch, kw, match
 
 
 def test_an_unreachable_teacher_url_is_refused():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{s.getsockname()[1]}"
+  from helpers import free_port
+
+  url = f"http://127.0.0.1:{free_port()}"
   with pytest.raises(UserError, match=f"no vLLM server answers at {url} for the teacher .* leave teacher.vllm.url"):
     ServedTeacher(helpers.vllm_config(urls=url), "", max_len=MAX_LEN, batch_size=4, topk=0, vocab_size=V, out_dir="")
 

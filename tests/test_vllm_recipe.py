@@ -12,9 +12,9 @@ import dataclasses
 import json
 import math
 import re
-import socket
 
 import pytest
+from helpers import free_port
 
 from opdjax.analyses import capacity, sensitivity
 from opdjax.cli import main as cli_main
@@ -218,11 +218,8 @@ def served(tmp_path_factory):
         # A vllm.LLM run earlier in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, tests/test_vllm.py or
         # test_fetch.py in the same pytest-xdist worker) leaves its one-rank groups set up: reuse them.
         if not started and not model_parallel_is_initialized():
-          with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
           init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                       distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                       distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
           initialize_model_parallel(1, 1)
           started.append(True)
         with torch.device("meta"):

@@ -231,7 +231,7 @@ def test_every_mesh_split_is_traded_for_whole_rows_without_a_gather(tmp_path):
 
 def _two_processes(code: str, tmp_path, *args, timeout: int = 900, env: dict | None = None) -> list[dict]:
   """`code` as processes 0 and 1 of one run (2 host devices each); each prints one JSON line last."""
-  from test_parallel import free_port
+  from helpers import free_port
 
   port = free_port()
   env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "2", **(env or {})}
