@@ -156,15 +156,15 @@ def random_params():
 
 
 DEMO_MODELS = """
-from opdjax.config.loader import load_config_file
+from opdjax.config.loader import apply_overrides, load_config_file
 from opdjax.config.schema import build
 from opdjax.pipeline.build import load_model, make_task, teacher_folder
 demo = build(load_config_file("configs/demo.py"))
 load_model("teacher", demo, make_task(demo))
 load_model("student", demo, make_task(demo))
-served = build(load_config_file("configs/demo_served_teacher.py"))
+served = build(apply_overrides(load_config_file("configs/demo_served_teacher.py"), %r))
 teacher_folder(served, make_task(served))
-"""
+""" % {k: str(v) for k, v in helpers.SERVED_TEACHER.items()}
 
 
 def _copy_built_demo_models(src: str, dst: str) -> None:
@@ -191,9 +191,9 @@ def _copy_built_demo_models(src: str, dst: str) -> None:
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory):
   """One OPDJAX_CACHE for the session, shared by the workers. The models of configs/demo.py and
-  configs/demo_served_teacher.py (3 of them, 2500 supervised steps) are built first, once, in a process at
-  XLA's default optimization: at the suite's level 0 the demo's teacher and student took 65 CPU-s, at the
-  default 40 (measured 2026-12-03). A second worker waits for the first one's build (the cache's lock).
+  configs/demo_served_teacher.py (3 of them; the served teacher with helpers.SERVED_TEACHER) are built first,
+  once, in a process at XLA's default optimization: at the suite's level 0 the demo's teacher and student took
+  65 CPU-s, at the default 40 (measured 2026-12-03). A second worker waits for the first one's build (the cache's lock).
   Demo models the README's first command already built in the user's cache (`opdjax demo`: its teacher and
   student; CI's OPDJAX_CACHE) are copied in first, not rebuilt: an entry's folder name is the hash of all it was
   built from (config, task, steps, batch, lr, seed, format), and only complete entries (config.json) are taken."""

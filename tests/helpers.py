@@ -19,6 +19,10 @@ VLLM_MAX_MODEL_LEN = 128
 VLLM_BATCH = 64
 VLLM_MODEL = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=VLLM_MAX_MODEL_LEN)
+# configs/demo_served_teacher.py's teacher as the tests build it (conftest's demo_cache, tests/test_served_teacher.py):
+# 300 supervised steps instead of the config's 1200. No test of it measures learning, and the README's demo does
+# not build this teacher, so the suite built it itself: ~55 of a CI run's CPU-s at 1200 steps.
+SERVED_TEACHER = {"teacher.sft_steps": 300}
 
 
 def free_port() -> int:

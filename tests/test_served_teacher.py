@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import SERVED_TEACHER
 
 from opdjax.config.loader import ConfigError, apply_overrides, load_config_file
 from opdjax.config.schema import build
@@ -14,8 +15,13 @@ from opdjax.errors import UserError
 CONFIG = "configs/demo_served_teacher.py"
 
 
+# The served teacher conftest's demo_cache built (helpers.SERVED_TEACHER), in every run and command here.
+TEACHER_ARGS = [f"--config.{k}={v}" for k, v in SERVED_TEACHER.items()]
+
+
 def _cfg(**overrides):
-  return build(apply_overrides(load_config_file(CONFIG), {k: str(v) for k, v in overrides.items()}))
+  changes = {**SERVED_TEACHER, **overrides}
+  return build(apply_overrides(load_config_file(CONFIG), {k: str(v) for k, v in changes.items()}))
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -173,8 +179,8 @@ def test_a_bf16_teacher_shows_its_deviation_and_a_killed_one_stops_the_run_then_
   the metrics. Then SIGKILL of that server (its whole process group: supervisor, API server, engine core)
   mid-run: the run stops with one error line naming the server and the step, after its hooks closed; the
   same command resumes from the last complete checkpoint, every step is recorded once and every 4th step
-  carries its check. Checkpoints every 3rd step: the run is killed from step 10 on, so it mostly resumes from
-  step 9, between two checks, and the checks keep their steps. 24 steps: a kill and a resume, not learning.
+  carries its check. Checkpoints every 3rd step: the run is killed from step 6 on, so it mostly resumes from
+  step 6, between two checks, and the checks keep their steps. 14 steps: a kill and a resume, not learning.
   One test for both: each start of a teacher server costs the suite's two cores about 20 CPU-s."""
   import os
   import re
@@ -188,15 +194,15 @@ def test_a_bf16_teacher_shows_its_deviation_and_a_killed_one_stops_the_run_then_
 
   require_vllm()
   out = tmp_path / "run"
-  cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", CONFIG, "--out", str(out), "--config.train.steps=24",
+  cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", CONFIG, "--out", str(out), "--config.train.steps=14",
          "--config.train.checkpoint_every=3", "--config.train.eval_every=1000", "--config.task.num_eval=16",
          "--config.rollout.batch_size=64",  # half the config's rollouts: a kill and a resume need no learning
          "--config.teacher.vllm.dtype=bfloat16", "--config.teacher.check_every=4", "--config.loss.kind=topk_rkl",
-         "--config.loss.topk=4"]
+         "--config.loss.topk=4", *TEACHER_ARGS]
   env = {**os.environ, "PYTHONPATH": ROOT}
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
   metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
-  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):
     assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
     time.sleep(0.05)
   server = children_of(proc.pid)
@@ -209,13 +215,13 @@ def test_a_bf16_teacher_shows_its_deviation_and_a_killed_one_stops_the_run_then_
       errors[0]
   assert "resumes from the last complete checkpoint" in errors[0]
   stopped = int(re.search(r"step (\d+):", errors[0])[1])
-  assert 10 <= stopped < 24
+  assert 6 <= stopped < 14
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   steps = [r["step"] for r in _records(out) if "loss" in r]
-  assert steps == list(range(1, 25)), steps
+  assert steps == list(range(1, 15)), steps
   checks = [r for r in _records(out) if "teacher_mismatch_abs_max" in r]
-  assert [r["step"] for r in checks] == list(range(4, 25, 4)), [r["step"] for r in checks]
+  assert [r["step"] for r in checks] == [4, 8, 12], [r["step"] for r in checks]
   for r in checks:  # bf16 against fp32: a deviation, but the same top tokens for the most part
     assert r["teacher_mismatch_abs_max"] > 1e-3 and r["teacher_mismatch_abs_mean"] > 1e-4, r
     assert 0.5 < r["teacher_mismatch_topk_overlap"] <= 1.0 and r["teacher_mismatch_topk_kl"] > 0, r
@@ -335,7 +341,8 @@ def test_a_resumed_async_run_whose_producer_started_the_teacher_survives_the_gua
   cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", "configs/demo_served_teacher.py", "--out", str(out),
          "--config.train.steps=7", "--config.rollout.batch_size=16", "--config.task.num_eval=16",
          "--config.train.eval_every=100", "--config.train.checkpoint_every=1", "--config.rollout.async_depth=2",
-         f"--config.train.budget={budget}", "--config.train.guard=backoff", "--config.train.guard_window=1"]
+         f"--config.train.budget={budget}", "--config.train.guard=backoff", "--config.train.guard_window=1",
+         *TEACHER_ARGS]
   env = {**os.environ, "PYTHONPATH": root, "JAX_NUM_CPU_DEVICES": "2"}
   first = subprocess.run(cmd, cwd=root, env={**env, "OPDJAX_FAULT": "step@3"}, capture_output=True, text=True,
                          timeout=900)

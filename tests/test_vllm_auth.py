@@ -219,7 +219,8 @@ COMPLETION = {"prompt": [5, 9, 3], "max_tokens": 2, "temperature": 0.0, "return_
 GUARDED = [("POST", "/collective_rpc", {"method": "reload_weights"}), ("POST", "/reload_weights", {}),
            ("POST", "/pause", {}), ("POST", "/resume", {}), ("POST", "/sleep", {}), ("POST", "/wake_up", {}),
            ("POST", "/reset_prefix_cache", {}), ("POST", "/update_weights", {}), ("POST", "/start_profile", {}),
-           ("GET", "/server_info", None), ("GET", "/is_paused", None), ("GET", "/health", None),
+           ("GET", "/server_info", None), ("GET", auth.CONFIG_ROUTE, None), ("GET", "/is_paused", None),
+           ("GET", "/health", None),
            ("GET", "/metrics", None), ("GET", "/openapi.json", None), ("GET", "/version", None), ("GET", "/ping", None),
            ("POST", "/v1/completions", COMPLETION), ("GET", "/v1/models", None)]
 
@@ -249,6 +250,20 @@ def test_with_the_token_the_routes_work(server, token, model_dir):
   assert http_json(server.url + "/collective_rpc", rpc, bearer=token, timeout=120.0)[0] == 200
   # vLLM 0.32 has no /reload_weights route (reload goes through /collective_rpc): past the guard, 404.
   assert http_json(server.url + "/reload_weights", {}, bearer=token)[0] == 404
+
+
+@pytest.mark.vllm
+def test_the_config_route_answers_server_infos_config_without_its_environment_report(server, token):
+  """auth.CONFIG_ROUTE answers /server_info's vllm_config, which the client reads (dtype, log-probs mode, lengths),
+  and nothing else (no environment report)."""
+  code, ours = http_json(server.url + auth.CONFIG_ROUTE, bearer=token)
+  assert code == 200 and set(ours) == {"vllm_config"}, ours
+  code, info = http_json(server.url + "/server_info?config_format=json", bearer=token, timeout=120.0)
+  assert code == 200 and "system_env" in info
+  assert ours["vllm_config"] == info["vllm_config"]
+  client = VllmClient(server.url, token=token)
+  assert client.config() == info["vllm_config"] and client.info().max_model_len == ours["vllm_config"][
+      "model_config"]["max_model_len"]
 
 
 @pytest.mark.vllm

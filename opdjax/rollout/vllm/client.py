@@ -137,8 +137,9 @@ class VllmClient:
                       " (the sidecar command opdjax prints has both).")
 
   def config(self) -> dict:
-    """The server's config (`/server_info`'s vllm_config, JSON); fails early on an open server beyond
-    loopback, a wrong key or token, or a server without dev mode."""
+    """The server's config (`/server_info`'s vllm_config, JSON; from `auth.CONFIG_ROUTE` where opdjax's
+    middleware runs); fails early on an open server beyond loopback, a wrong key or token, or a server
+    without dev mode."""
     self._check_guarded()
     try:
       status, payload = http_json(self.url + "/v1/models", bearer=self.bearer, timeout=30.0)
@@ -148,6 +149,9 @@ class VllmClient:
       raise self._refused()
     if status != 200:
       raise VllmError(f"GET {self.url}/v1/models answered HTTP {status}: {error_message(payload)}")
+    status, info = http_json(self.url + auth.CONFIG_ROUTE, bearer=self.bearer, timeout=60.0)
+    if status == 200 and isinstance(info, dict) and "vllm_config" in info:  # opdjax's middleware runs there
+      return info["vllm_config"]
     status, info = http_json(self.url + "/server_info?config_format=json", bearer=self.bearer, timeout=60.0)
     if status == 404:
       raise VllmError(f"the vLLM server at {self.url} runs without VLLM_SERVER_DEV_MODE=1; opdjax needs its"

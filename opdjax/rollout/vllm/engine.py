@@ -190,11 +190,8 @@ class VllmEngineBase(RolloutEngine):
 
 
 def server_precision(client: VllmClient) -> tuple[str, str]:
-  """(dtype, quantization) the server at `client.url` runs with, from its /server_info."""
-  status, info = http_json(client.url + "/server_info?config_format=json", bearer=client.bearer, timeout=60.0)
-  if status != 200 or not isinstance(info, dict):
-    raise VllmError(f"GET {client.url}/server_info answered HTTP {status}: {error_message(info)}")
-  model = info.get("vllm_config", {}).get("model_config", {})
+  """(dtype, quantization) the server at `client.url` runs with, from its config."""
+  model = client.config().get("model_config", {})
   return str(model.get("dtype", "")).replace("torch.", ""), str(model.get("quantization") or "")
 
 
