@@ -5,7 +5,8 @@ server and shares its URL and token; each process scores the rows it trains on.
 - Synchronous, the JAX engine: the 2-process run's per-step losses equal the 1-process x 4-device run's
   (same mesh, fsdp=4) within 1e-5 relative, the teacher attached there and started by process 0 here.
 - Asynchronous exact (depth 1) behind 2 processes (the vLLM rollout engine: the only one a multi-process
-  trainer samples asynchronously with) equals its synchronous lag=1 counterpart.
+  trainer samples asynchronously with) equals its synchronous lag=1 counterpart, both attached to one
+  rollout server.
 """
 
 import json
@@ -48,6 +49,23 @@ def teacher_url(files, tmp_path_factory):
   with server:
     server.start()
     yield server.url, server.token
+
+
+@pytest.fixture(scope="module")
+def rollout_url(files, tmp_path_factory):
+  """The student's vLLM rollout server, started as a run of `_args` starts its own (rollout.vllm, max_len and
+  batch size of that config): the lag test's two runs attach to it (rollout.vllm.url), one start instead of two.
+  Each run syncs its own weights into it before sampling."""
+  from opdjax.config.loader import apply_overrides, load_config_file
+  from opdjax.config.schema import build
+  from opdjax.rollout.vllm.launch import make_vllm_server
+
+  r = build(apply_overrides(load_config_file("configs/demo.py"), {"rollout.batch_size": "8"})).rollout
+  server = make_vllm_server(r.vllm, str(files / "student"), max_len=r.max_len, batch_size=r.batch_size,
+                            out_dir=str(tmp_path_factory.mktemp("rollout")))
+  with server:
+    server.start()
+    yield server.url
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +152,10 @@ def test_two_processes_with_a_served_teacher_equal_one_process(files, teacher_ur
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_two_process_async_exact_with_a_served_teacher_is_the_lag_run(files, teacher_url, tmp_path):
-  url, token = teacher_url
-  common = [f"--config.teacher.vllm.url={url}", "--config.rollout.engine=vllm"]
+def test_two_process_async_exact_with_a_served_teacher_is_the_lag_run(files, teacher_url, rollout_url, tmp_path):
+  url, token = teacher_url  # one job token: this process started both servers
+  common = [f"--config.teacher.vllm.url={url}", "--config.rollout.engine=vllm",
+            f"--config.rollout.vllm.url={rollout_url}"]
   _run(files, tmp_path / "async", 2, [*common, "--config.rollout.async_depth=1", "--config.rollout.async_mode=exact"],
        token=token)
   _run(files, tmp_path / "lag", 2, [*common, "--config.rollout.view=lag=1"], token=token)
