@@ -21,7 +21,8 @@ VLLM_MODEL = dict(model_type="llama", vocab_size=256, hidden_size=64, intermedia
                   num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=VLLM_MAX_MODEL_LEN)
 # configs/demo_served_teacher.py's teacher as the tests build it (conftest's demo_cache, tests/test_served_teacher.py):
 # 300 supervised steps instead of the config's 1200. No test of it measures learning, and the README's demo does
-# not build this teacher, so the suite built it itself: ~55 of a CI run's CPU-s at 1200 steps.
+# not build this teacher, so the suite builds it itself: the demo-model setup took 88 s in a full suite at 1200
+# steps, 13 s alone at 300 (2026-12-07).
 SERVED_TEACHER = {"teacher.sft_steps": 300}
 
 

@@ -24,6 +24,7 @@ from opdjax.models.hf_io import save_hf_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5
+BATCH = 8  # rollouts a step, in every run here and in the rollout server the lag test's runs attach to
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def rollout_url(files, tmp_path_factory):
   from opdjax.config.schema import build
   from opdjax.rollout.vllm.launch import make_vllm_server
 
-  r = build(apply_overrides(load_config_file("configs/demo.py"), {"rollout.batch_size": "8"})).rollout
+  r = build(apply_overrides(load_config_file("configs/demo.py"), {"rollout.batch_size": str(BATCH)})).rollout
   server = make_vllm_server(r.vllm, str(files / "student"), max_len=r.max_len, batch_size=r.batch_size,
                             out_dir=str(tmp_path_factory.mktemp("rollout")))
   with server:
@@ -91,7 +92,7 @@ def _args(files, out, extra=()) -> list[str]:
   return ["train", "--config", "configs/demo.py", "--out", str(out), f"--config.teacher.path={files / 'teacher'}",
           f"--config.student.path={files / 'student'}", "--config.teacher.serve=vllm",
           "--config.teacher.vllm.dtype=float32", "--config.loss.kind=sampled_rkl", "--config.loss.baseline=loo",
-          f"--config.train.steps={STEPS}", "--config.mesh.fsdp=-1", "--config.rollout.batch_size=8",
+          f"--config.train.steps={STEPS}", "--config.mesh.fsdp=-1", f"--config.rollout.batch_size={BATCH}",
           "--config.task.num_eval=8", "--config.train.eval_every=1000", "--config.train.checkpoint_every=0", *extra]
 
 
@@ -179,7 +180,7 @@ def test_admit_teacher_admits_fp32_reports_bf16_and_refuses_a_wrong_replica(file
   budget = _budget(files, tmp_path, 1e-3)
   base = ["admit", "--teacher", "--config", "configs/demo.py", f"--config.teacher.path={files / 'teacher'}",
           f"--config.student.path={files / 'student'}", "--config.teacher.serve=vllm", "--config.loss.kind=sampled_rkl",
-          "--config.rollout.batch_size=8", "--config.task.num_eval=8", f"--config.train.budget={budget}"]
+          f"--config.rollout.batch_size={BATCH}", "--config.task.num_eval=8", f"--config.train.budget={budget}"]
   figures = {}
   for name, urls, code in (("fp32", url, 0), ("bf16", bf16, None), ("wrong", f"{url},{wrong}", 3)):
     out = tmp_path / name

@@ -160,9 +160,9 @@ class VllmClient:
       raise VllmError(f"GET {self.url}/server_info answered HTTP {status}: {error_message(info)}")
     return info.get("vllm_config", {})
 
-  def info(self) -> ServerInfo:
-    """`config()`'s checks, and a server reporting the log-probs rollouts need."""
-    config = self.config()
+  def info(self, config: dict | None = None) -> ServerInfo:
+    """`config()`'s checks (or `config`, what it returned), and a server reporting the log-probs rollouts need."""
+    config = self.config() if config is None else config
     model, scheduler = config.get("model_config", {}), config.get("scheduler_config", {})
     mode = model.get("logprobs_mode")
     if mode != LOGPROBS_MODE:

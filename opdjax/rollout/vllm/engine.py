@@ -189,9 +189,9 @@ class VllmEngineBase(RolloutEngine):
     ...
 
 
-def server_precision(client: VllmClient) -> tuple[str, str]:
-  """(dtype, quantization) the server at `client.url` runs with, from its config."""
-  model = client.config().get("model_config", {})
+def server_precision(config: dict) -> tuple[str, str]:
+  """(dtype, quantization) a server runs with, from its config (`VllmClient.config()`)."""
+  model = config.get("model_config", {})
   return str(model.get("dtype", "")).replace("torch.", ""), str(model.get("quantization") or "")
 
 
@@ -228,8 +228,8 @@ class VllmEngine(VllmEngineBase):
                                token=(self._server.token or "") if self._server else None,  # URL: env's
                                request_timeout_s=request_timeout_s, max_retries=max_retries)
       try:
-        info = self.client.info()
-        precision = server_precision(self.client)
+        config = self.client.config()
+        info, precision = self.client.info(config), server_precision(config)
       except (ServerDown, OSError) as e:
         raise VllmError(self._down_message(e)) from e
     except BaseException:
