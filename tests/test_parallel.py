@@ -315,6 +315,22 @@ def test_two_processes_match_one_process(single_device_run, four_device_run, two
   assert "OPD: step" in procs.log(0) and "OPD: step" not in procs.log(1)
 
 
+@pytest.mark.slow
+def test_a_second_start_of_a_multi_process_run_compiles_nothing(two_process_run, tmp_path, monkeypatch):
+  """The same 2-process run started again finds every program in the persistent compilation cache, on
+  process 1 too: JAX writes that cache from process 0 only, and process 1's own-device programs (the engine's
+  rollouts, the scoring of its rows) have keys process 0 never writes, so before opdjax let every process write
+  (opdjax.pipeline.distributed.cache_on_every_process) process 1 missed 89 programs at every start."""
+  first, _ = two_process_run
+  monkeypatch.setenv("JAX_EXPLAIN_CACHE_MISSES", "true")  # JAX logs each persistent-cache miss
+  procs = Procs(tmp_path, tmp_path / "run", *CKPT, "--config.mesh.fsdp=4")
+  assert [rc for rc, _ in procs.wait(900)] == [0, 0], procs.log(0)[-3000:] + procs.log(1)[-3000:]
+  for i in range(2):
+    assert "PERSISTENT COMPILATION CACHE MISS" not in procs.log(i), (i, procs.log(i)[-3000:])
+  assert "TRACING CACHE MISS" in procs.log(1)  # the logging was on: a traced program is looked up, then found
+  assert losses(tmp_path / "run") == losses(first)  # the cached executables: the first start's losses, bit for bit
+
+
 def _same_files(a, b):
   assert (a / "student" / "model.safetensors").read_bytes() == (b / "student" / "model.safetensors").read_bytes()
   ra = [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"} for line in open(a / "metrics.jsonl")]
@@ -392,6 +408,20 @@ def test_unreachable_coordinator_is_one_clear_error_after_a_bounded_wait(tmp_pat
   assert "could not join the 2 processes through the coordinator at 127.0.0.1" in p.stderr
   assert "within 3 s (this is process 1)" in p.stderr, p.stderr[-2000:]
   assert "Nothing answers there" in p.stderr and "Check failure" not in p.stderr
+
+
+def test_every_process_writes_the_compilation_cache_through_jaxs_writer_as_it_is():
+  """cache_on_every_process replaces JAX's private writer only where it has the shape read in JAX 0.10: a JAX
+  that changes it turns the replacement off, and this test says so rather than every other process compiling
+  again at each start unnoticed. One process (process 0) keeps JAX's writer."""
+  import inspect
+
+  from jax._src import compiler
+
+  from opdjax.pipeline import distributed
+
+  assert list(inspect.signature(compiler._cache_write).parameters) == distributed._CACHE_WRITE_ARGS  # noqa: SLF001
+  assert distributed.cache_on_every_process() is False and not hasattr(compiler._cache_write, "opdjax_every_process")
 
 
 def test_multiprocess_flags_go_together(capsys):
