@@ -56,13 +56,14 @@ def teacher_url(files, tmp_path_factory):
 def rollout_url(files, tmp_path_factory):
   """The student's vLLM rollout server, started as a run of `_args` starts its own (rollout.vllm, max_len and
   batch size of that config): the lag test's two runs attach to it (rollout.vllm.url), one start instead of two.
-  Each run syncs its own weights into it before sampling."""
+  Each run syncs its own weights into it before sampling. The admit test's wrong teacher replica too."""
   from opdjax.config.loader import apply_overrides, load_config_file
   from opdjax.config.schema import build
   from opdjax.rollout.vllm.launch import make_vllm_server
 
   r = build(apply_overrides(load_config_file("configs/demo.py"), {"rollout.batch_size": str(BATCH)})).rollout
-  server = make_vllm_server(r.vllm, str(files / "student"), max_len=r.max_len, batch_size=r.batch_size,
+  # One token beyond a rollout's max_len: the admit test scores full sequences against it as a wrong replica.
+  server = make_vllm_server(r.vllm, str(files / "student"), max_len=r.max_len + 1, batch_size=r.batch_size,
                             out_dir=str(tmp_path_factory.mktemp("rollout")))
   with server:
     server.start()
@@ -70,22 +71,17 @@ def rollout_url(files, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def other_servers(files, tmp_path_factory):
-  """The teacher served in bf16, and a 'replica' that serves another model (the student's weights)."""
+def bf16_teacher_url(files, tmp_path_factory):
+  """The teacher served in bf16 (the admit test's server whose deviation is reported)."""
   from opdjax.config.server_section import VllmConfig
   from opdjax.rollout.vllm.launch import make_vllm_server
 
-  out = str(tmp_path_factory.mktemp("others"))
-  bf16 = make_vllm_server(VllmConfig(dtype="bfloat16"), str(files / "teacher"), max_len=65, batch_size=64,
-                          out_dir=out, name="vllm-bf16", extra_args=("--max-logprobs", "20"))
-  wrong = make_vllm_server(VllmConfig(dtype="float32"), str(files / "student"), max_len=65, batch_size=64,
-                           out_dir=out, name="vllm-wrong", extra_args=("--max-logprobs", "20"))
-  with bf16, wrong:
-    bf16.launch()
-    wrong.launch()
-    bf16.start()
-    wrong.start()
-    yield bf16.url, wrong.url
+  server = make_vllm_server(VllmConfig(dtype="bfloat16"), str(files / "teacher"), max_len=65, batch_size=64,
+                            out_dir=str(tmp_path_factory.mktemp("bf16")), name="vllm-bf16",
+                            extra_args=("--max-logprobs", "20"))
+  with server:
+    server.start()
+    yield server.url
 
 
 def _args(files, out, extra=()) -> list[str]:
@@ -167,15 +163,16 @@ def test_two_process_async_exact_with_a_served_teacher_is_the_lag_run(files, tea
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_admit_teacher_admits_fp32_reports_bf16_and_refuses_a_wrong_replica(files, teacher_url, other_servers,
-                                                                            tmp_path, monkeypatch, capsys):
+def test_admit_teacher_admits_fp32_reports_bf16_and_refuses_a_wrong_replica(files, teacher_url, bf16_teacher_url,
+                                                                            rollout_url, tmp_path, monkeypatch, capsys):
   """`opdjax admit --teacher` on the run's own config: the fp32 server is admitted (its deviation from the
   trainer's fp32 teacher is rounding), the bf16 server's figure is reported beside the budget and is larger,
-  and a replica serving another model's weights is refused, before anything is trained."""
+  and a replica serving another model's weights is refused, before anything is trained. That replica is the
+  module's rollout server (the student's weights, or the lag runs' updates of them), one start fewer."""
   from opdjax import cli
 
-  url, token = teacher_url
-  bf16, wrong = other_servers
+  url, token = teacher_url  # one job token: this process started the module's servers
+  bf16, wrong = bf16_teacher_url, rollout_url
   monkeypatch.setenv("OPDJAX_SIDECAR_TOKEN", token)
   budget = _budget(files, tmp_path, 1e-3)
   base = ["admit", "--teacher", "--config", "configs/demo.py", f"--config.teacher.path={files / 'teacher'}",
@@ -185,10 +182,11 @@ def test_admit_teacher_admits_fp32_reports_bf16_and_refuses_a_wrong_replica(file
   for name, urls, code in (("fp32", url, 0), ("bf16", bf16, None), ("wrong", f"{url},{wrong}", 3)):
     out = tmp_path / name
     rc = cli.main([*base, f"--config.teacher.vllm.urls={urls}", "--out", str(out)])
-    text = capsys.readouterr().out
-    assert "budget 0.001 nats/token" in text, text
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "budget 0.001 nats/token" in text, text + captured.err
     if code is not None:
-      assert rc == code, text
+      assert rc == code, text + captured.err
     result = json.loads((out / "teacher_admission.json").read_text())
     figures[name] = [r["figure"] for r in result["servers"]]
     print(text)
