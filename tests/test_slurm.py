@@ -5,11 +5,11 @@ from SLURM's environment.
 
 - 2 nodes x 1 process equal 1 process x 2 devices (the same mesh, data=2) within the scale-out tolerance
   (1e-5 relative), every step once in metrics.jsonl.
-- A lost node (SIGKILL to every process in n2's namespaces, slurmd included, at a random step): the
-  survivor stops within a bounded time with one line naming n2, nothing of the job is left on n1, and
-  `sbatch` of the same script (once n2 is back) resumes: every step once, losses bitwise the uninterrupted
-  run's (a synchronous run's resume is exact).
-- `scancel` mid-run: nothing left on either node; `sbatch` again resumes bitwise.
+- One run stopped by `scancel` (nothing left on either node), resumed with the same script, then stopped by a
+  lost node (SIGKILL to every process in n2's namespaces, slurmd included, at a random step): the survivor
+  stops within a bounded time with one line naming n2, nothing of the job is left on n1, and `sbatch` of the
+  same script (once n2 is back) resumes: every step once, losses bitwise the uninterrupted run's (a
+  synchronous run's resume is exact).
 - Each host's first process starts that host's served teacher (teacher.vllm.per_host): a server in each
   node's namespaces, none reachable from the other host; a sidecar bound beyond loopback answers the other
   host 401 without the job's token.
@@ -34,7 +34,7 @@ from opdjax.rollout.vllm.server import SERVER_MODULE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = os.path.join(ROOT, "scripts", "slurm_cluster.py")
-STEPS = 4
+STEPS = 6  # room for a scancel and a lost node in one run (test_scancel_then_a_lost_node_...)
 LOST_NODE_STOP_S = 60  # the survivor's bound: the watchdog sees the dead peer's connection close at once
 
 
@@ -203,14 +203,31 @@ def test_two_nodes_equal_one_process(cluster, two_nodes, one_process):
 
 
 @pytest.mark.slow
-def test_a_lost_node_stops_the_survivor_and_sbatch_resumes_bitwise(cluster, files, two_nodes, tmp_path):
+def test_scancel_then_a_lost_node_then_sbatch_resumes_bitwise(cluster, files, two_nodes, tmp_path):
+  """One run stopped twice, then finished (one test: each 2-node start costs the suite ~25 s).
+  1. `scancel` after the first logged step: a clean stop, nothing of the job left on either node.
+  2. The same script again resumes; n2 loses every process (slurmd too) at a random moment after a step the
+     resumed job logged: the survivor stops within LOST_NODE_STOP_S with one line naming n2, nothing left on n1.
+  3. Once n2 is back, the same script resumes to the end: every step once, bitwise the uninterrupted run."""
+  out = tmp_path / "run"
+  job, _ = cluster.sbatch(out, *_args(files), wait=False)
+  _wait_for_step(cluster, job, out, 1)
+  cluster.run("ctl", "scancel", job)
+  deadline = time.time() + 120
+  while cluster.job_state(job) and time.time() < deadline:
+    time.sleep(0.5)
+  assert not cluster.job_state(job), "the job outlived scancel by 120 s"
+  for node in ("n1", "n2"):
+    assert [c for c in cluster.processes(node) if "slurmd" not in c] == [], node
+  assert "CANCELLED" in cluster.output(job), cluster.output(job)[-3000:]
+  done = max(_losses(out))
+  # Killed with at least 2 steps, the final save and the export still to run (at step STEPS - 2 with a delay up
+  # to 1.5 s, the 2026-12-06 suite's run had finished before n2 went: no error line to wait for).
+  assert done <= STEPS - 4, f"scancel after step 1 stopped the job only after step {done}: raise STEPS"
   seed = random.randrange(1 << 16)
   rng = random.Random(seed)
-  # Killed with at least 2 steps, the final save and the export still to run: at step STEPS - 2 with a delay up to
-  # 1.5 s, the 2026-12-06 suite's run had finished before n2 went (no error line to wait for).
-  at, delay = rng.randint(1, STEPS - 3), rng.uniform(0, 0.5)
-  print(f"lost node: seed {seed}, n2 killed {delay:.2f} s after step {at} is logged")
-  out = tmp_path / "run"
+  at, delay = rng.randint(done + 1, STEPS - 3), rng.uniform(0, 0.5)
+  print(f"scancel after step {done}; lost node: seed {seed}, n2 killed {delay:.2f} s after step {at} is logged")
   job, _ = cluster.sbatch(out, *_args(files), wait=False)
   _wait_for_step(cluster, job, out, at)
   time.sleep(delay)
@@ -234,29 +251,9 @@ def test_a_lost_node_stops_the_survivor_and_sbatch_resumes_bitwise(cluster, file
   cluster.script("boot", cluster.dir, "n2")  # the node is back
   job, p = cluster.sbatch(out, *_args(files))
   assert p.returncode == 0, cluster.output(job)[-4000:]
-  if kept:  # else n2 died before the first checkpoint completed: the resume starts over, as it should
+  if kept:  # else no checkpoint had completed: the resume starts over, as it should
     assert f"resumed at step {kept[-1]}, ran to step {STEPS}" in cluster.output(job), cluster.output(job)[-3000:]
   assert _once(out) == two_nodes[0]  # bitwise the uninterrupted run's
-
-
-@pytest.mark.slow
-def test_scancel_then_sbatch_resumes_bitwise(cluster, files, two_nodes, tmp_path):
-  out = tmp_path / "run"
-  job, _ = cluster.sbatch(out, *_args(files), wait=False)
-  _wait_for_step(cluster, job, out, 1)
-  cluster.run("ctl", "scancel", job)
-  deadline = time.time() + 120
-  while cluster.job_state(job) and time.time() < deadline:
-    time.sleep(0.5)
-  assert not cluster.job_state(job), "the job outlived scancel by 120 s"
-  for node in ("n1", "n2"):
-    assert [c for c in cluster.processes(node) if "slurmd" not in c] == [], node
-  assert "CANCELLED" in cluster.output(job), cluster.output(job)[-3000:]
-  done = max(_losses(out))
-  job, p = cluster.sbatch(out, *_args(files))
-  assert p.returncode == 0, cluster.output(job)[-4000:]
-  print(f"scancel after step {done}, resumed to step {STEPS}")
-  assert _once(out) == two_nodes[0]
 
 
 @pytest.fixture(scope="module")
