@@ -283,13 +283,10 @@ def served_demo_teacher(demo_cache, tmp_path_factory):
   SERVER_HEAVY_FILES: one start, not one a module). (server, the teacher's folder, its ModelConfig); stopped after
   the unit's last test (pytest_runtest_teardown)."""
   helpers.require_vllm()
-  from opdjax.config.loader import apply_overrides, load_config_file
-  from opdjax.config.schema import build
   from opdjax.pipeline.build import make_task, teacher_folder
   from opdjax.rollout.vllm.launch import make_vllm_server
 
-  cfg = build(apply_overrides(load_config_file(os.path.join(ROOT, "configs", "demo_served_teacher.py")),
-                              {k: str(v) for k, v in helpers.SERVED_TEACHER.items()}))
+  cfg = helpers.served_teacher_config()
   folder, model_cfg = teacher_folder(cfg, make_task(cfg))
   server = make_vllm_server(cfg.teacher.vllm, folder, max_len=cfg.rollout.max_len + 1, batch_size=256,
                             out_dir=str(tmp_path_factory.mktemp("teacher")),

@@ -26,6 +26,16 @@ VLLM_MODEL = dict(model_type="llama", vocab_size=256, hidden_size=64, intermedia
 SERVED_TEACHER = {"teacher.sft_steps": 300}
 
 
+def served_teacher_config(**overrides):
+  """configs/demo_served_teacher.py built with SERVED_TEACHER and `overrides` (config keys -> values)."""
+  from opdjax.config.loader import apply_overrides, load_config_file
+  from opdjax.config.schema import build
+
+  changes = {**SERVED_TEACHER, **overrides}
+  return build(apply_overrides(load_config_file(os.path.join(ROOT, "configs", "demo_served_teacher.py")),
+                               {k: str(v) for k, v in changes.items()}))
+
+
 def free_port() -> int:
   """A TCP port free on loopback now (a coordinator's or server's, for processes the test starts)."""
   with socket.socket() as s:

@@ -6,10 +6,9 @@ import json
 
 import numpy as np
 import pytest
-from helpers import SERVED_TEACHER
+from helpers import SERVED_TEACHER, served_teacher_config
 
-from opdjax.config.loader import ConfigError, apply_overrides, load_config_file
-from opdjax.config.schema import build
+from opdjax.config.loader import ConfigError
 from opdjax.errors import UserError
 
 CONFIG = "configs/demo_served_teacher.py"
@@ -20,8 +19,7 @@ TEACHER_ARGS = [f"--config.{k}={v}" for k, v in SERVED_TEACHER.items()]
 
 
 def _cfg(**overrides):
-  changes = {**SERVED_TEACHER, **overrides}
-  return build(apply_overrides(load_config_file(CONFIG), {k: str(v) for k, v in changes.items()}))
+  return served_teacher_config(**overrides)
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -213,9 +213,7 @@ def test_scancel_then_a_lost_node_then_sbatch_resumes_bitwise(cluster, files, tw
   job, _ = cluster.sbatch(out, *_args(files), wait=False)
   _wait_for_step(cluster, job, out, 1)
   cluster.run("ctl", "scancel", job)
-  deadline = time.time() + 120
-  while cluster.job_state(job) and time.time() < deadline:
-    time.sleep(0.5)
+  _job_end(cluster, job, timeout_s=120)
   assert not cluster.job_state(job), "the job outlived scancel by 120 s"
   for node in ("n1", "n2"):
     assert [c for c in cluster.processes(node) if "slurmd" not in c] == [], node
@@ -236,9 +234,7 @@ def test_scancel_then_a_lost_node_then_sbatch_resumes_bitwise(cluster, files, tw
   while "opdjax: error:" not in cluster.output(job) and time.time() - t0 < LOST_NODE_STOP_S + 30:
     time.sleep(0.2)
   stopped = time.time() - t0
-  deadline = time.time() + 120
-  while cluster.job_state(job) and time.time() < deadline:
-    time.sleep(0.5)
+  _job_end(cluster, job, timeout_s=120)
   text = cluster.output(job)
   errors = [line for line in text.splitlines() if line.startswith("opdjax: error:")]
   print(f"the survivor stopped {stopped:.1f} s after n2 was lost: {errors}")
