@@ -68,7 +68,7 @@ def train_arguments(p: argparse.ArgumentParser) -> None:
   multi.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 <= I < N")
   multi.add_argument("--coordinator-timeout", type=float, default=120.0, metavar="S",
                      help="seconds to wait for every process to join before one clear error (default 120)")
-  from opdjax.training.loss import placement_table
+  from opdjax.pipeline.teacher import placement_table
 
   p.epilog = (f"{p.epilog or ''}\n\nWhich objective (loss.kind) each teacher placement feeds (teacher.serve,"
               f" rollout.teacher_scoring):\n{placement_table()}").lstrip()
@@ -219,7 +219,8 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
   from opdjax.analyses.capacity import KNOWN_SHAPES
 
   method = planning.__doc__.split("\n\n", 2)[2]  # what the numbers are (the XLA CPU compile's) and the headroom
-  from opdjax.training.loss import OBJECTIVES, placement_table
+  from opdjax.pipeline.teacher import placement_table
+  from opdjax.training.loss import OBJECTIVES
 
   p.epilog = (f"Models: {', '.join(KNOWN_SHAPES)}, or an HF folder / config.json.\n\n{method}\n\nWhich objective each"
               f" teacher placement feeds (--loss x --teacher-serve):\n{placement_table()}")

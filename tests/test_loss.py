@@ -368,15 +368,20 @@ def test_objectives_dispatch_through_the_registry_and_say_what_they_need():
   with pytest.raises(UserError, match="loss.kind='nope'; choose one of sampled_rkl"):
     LossConfig(kind="nope")
   assert set(L.OBJECTIVES) == {"sampled_rkl", "full_rkl", "topk_rkl", "forward_kl", "jsd"}
-  assert L.fed_by("served") == ["sampled_rkl", "topk_rkl"] and L.fed_by("trainer") == list(L.OBJECTIVES)
-  assert not L.feeds("served", LossConfig(kind="topk_rkl", topk_support="student"))
-  assert "this placement feeds sampled_rkl, topk_rkl" in L.refusal("served", LossConfig(kind="jsd"))
-  table = L.placement_table().splitlines()
+  from opdjax.config.schema import placement_refusal
+  from opdjax.pipeline.teacher import placement_table
+
+  assert L.fed_by(L.SERVER_ANSWER) == ["sampled_rkl", "topk_rkl"] and L.fed_by(L.FROM_LOGITS) == list(L.OBJECTIVES)
+  assert not L.feeds(L.SERVER_ANSWER, LossConfig(kind="topk_rkl", topk_support="student"))
+  assert "served by vLLM (teacher.serve=vllm) does not give; this placement feeds sampled_rkl, topk_rkl" in \
+      placement_refusal("served", LossConfig(kind="jsd"))
+  assert placement_refusal("engine", LossConfig(kind="jsd")) is None
+  table = placement_table().splitlines()
   assert table[0].split() == ["objective", "trainer", "engine", "served"] and len(table) == 1 + 6
   import os
 
   page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "served_teacher.md")).read()
-  assert f"```text\n{L.placement_table()}\n```" in page  # the docs' copy of the table is today's
+  assert f"```text\n{placement_table()}\n```" in page  # the docs' copy of the table is today's
   zs, zt = jnp.zeros((2, 3, 5)), jnp.ones((2, 3, 5))
   y = jnp.zeros((2, 3), jnp.int32)
   L.register(L.Objective("test_constant", lambda cfg: frozenset({L.SAMPLED}),

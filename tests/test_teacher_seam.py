@@ -14,22 +14,43 @@ PLACEMENTS = {"trainer", "engine", "served"}
 SEAM = {"opdjax/pipeline/teacher.py"}
 
 
-def _placement_comparisons(path: str) -> list[str]:
-  """`x == 'served'`, `x != 'engine'`, `x in ('trainer', ...)` and reads of `teacher_placement` in `path`'s code
-  (docstrings and comments are not code)."""
+def _is_placement(node) -> bool:
+  return isinstance(node, ast.Constant) and node.value in PLACEMENTS
+
+
+def _placement_uses(source: str, name: str) -> list[str]:
+  """`x == 'served'`, `x != 'engine'`, `x in ('trainer', ...)`, reads of `teacher_placement`, a table keyed by
+  placements (a dict literal with two or more of them among its keys or among its values) and a placement handed
+  to a call (`refusal('served', cfg)`) in `source`'s code (docstrings, comments and messages are not code)."""
   found = []
-  for node in ast.walk(ast.parse(open(path).read())):
+  for node in ast.walk(ast.parse(source)):
     if isinstance(node, ast.Compare):
       for op, left, right in zip(node.ops, [node.left, *node.comparators], node.comparators):
         if isinstance(op, (ast.In, ast.NotIn)):  # `x in ('served', ...)`, not `'engine' in results` (a key)
           consts = right.elts if isinstance(right, (ast.Tuple, ast.Set, ast.List)) else []
         else:
           consts = [left, right]
-        if any(isinstance(c, ast.Constant) and c.value in PLACEMENTS for c in consts):
-          found.append(f"{path}:{node.lineno}")
+        if any(map(_is_placement, consts)):
+          found.append(f"{name}:{node.lineno}")
     elif isinstance(node, ast.Attribute) and node.attr == "teacher_placement":
-      found.append(f"{path}:{node.lineno}")
+      found.append(f"{name}:{node.lineno}")
+    elif isinstance(node, ast.Dict) and max(sum(map(_is_placement, side)) for side in (node.keys, node.values)) > 1:
+      found.append(f"{name}:{node.lineno}")
+    elif isinstance(node, ast.Call) and any(map(_is_placement, node.args)):
+      found.append(f"{name}:{node.lineno}")
   return found
+
+
+def test_the_placement_scan_sees_each_form_and_not_messages():
+  """Each form of asking the placement is found on its own line; a message naming a config value, a choice
+  list, another key that shares a word (`meta['engine']`) and a docstring are not."""
+  asks = ["kind == 'served'", "'engine' != kind", "kind in ('trainer', 'x')", "cfg.teacher_placement",
+          "{'trainer': 1, 'served': 2}", "{'vllm': 'served', 'x': 'engine'}", "refusal('served', cfg)"]
+  assert _placement_uses("\n".join(asks), "s") == [f"s:{i}" for i in range(1, len(asks) + 1)]
+  quiet = ['"""teacher.serve=\'trainer\' in a docstring"""', "raise UserError(\"leave teacher.serve='trainer'\")",
+           "p.add_argument('--teacher-serve', choices=('trainer', 'vllm'), default='trainer')",
+           "meta['engine']", "{'engine': 1, 'kind': 2}", "'engine' in results", "STUDENT = ('trainer', 'rollout')"]
+  assert _placement_uses("\n".join(quiet), "s") == []
 
 
 def test_the_placement_is_compared_only_in_the_seam_and_the_config():
@@ -37,8 +58,9 @@ def test_the_placement_is_compared_only_in_the_seam_and_the_config():
            for p in glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)]
   outside = [f for f in files if f not in SEAM and not f.startswith("opdjax/config/")]
   assert len(outside) > 100  # the scan reads the package, not an empty glob
-  assert _placement_comparisons(os.path.join(ROOT, "opdjax/pipeline/teacher.py"))  # the scan sees the seam's own
-  leaks = [hit for f in outside for hit in _placement_comparisons(os.path.join(ROOT, f))]
+  uses = lambda f: _placement_uses(open(os.path.join(ROOT, f)).read(), f)  # noqa: E731
+  assert uses("opdjax/pipeline/teacher.py") and uses("opdjax/config/schema.py")  # the scan sees the seam's own
+  leaks = [hit for f in outside for hit in uses(f)]
   assert not leaks, f"the teacher's placement compared outside opdjax/pipeline/teacher.py and the config: {leaks}"
 
 

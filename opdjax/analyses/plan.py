@@ -32,7 +32,6 @@ import sys
 import time
 
 GIB = 1 << 30
-SERVE_PLACEMENT = {"trainer": "trainer", "vllm": "served"}  # --teacher-serve -> the teacher's placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,21 +53,19 @@ class Plan:
   micro_batches: int = 1  # train.micro_batches: the step's gradient accumulated over that many micro-batches
 
   def __post_init__(self):
+    from opdjax.config.schema import placement_refusal, teacher_placement_of
+    from opdjax.config.sections import TEACHER_SERVE
     from opdjax.errors import UserError
-    from opdjax.training.loss import LossConfig, refusal
+    from opdjax.training.loss import LossConfig
 
     if self.micro_batches < 1 or self.batch % self.micro_batches:
       raise UserError(f"--micro-batches {self.micro_batches}: give a divisor of --batch {self.batch}.")
-    if self.teacher_serve not in SERVE_PLACEMENT:
+    if self.teacher_serve not in TEACHER_SERVE:
       raise UserError(f"--teacher-serve {self.teacher_serve!r}: choose trainer or vllm.")
-    why = refusal(self.placement, LossConfig(kind=self.loss, topk=self.topk))
+    # the step is compiled for the placement teacher.serve gives (the rollout's engine does not score the teacher)
+    why = placement_refusal(teacher_placement_of(self.teacher_serve), LossConfig(kind=self.loss, topk=self.topk))
     if why is not None:
       raise UserError(f"--teacher-serve {self.teacher_serve} with --loss {self.loss}: {why}")
-
-  @property
-  def placement(self) -> str:
-    """The teacher's placement (opdjax.training.loss.PROVIDES) this plan compiles the step for."""
-    return SERVE_PLACEMENT[self.teacher_serve]
 
 
 def parse_mesh(text: str) -> tuple[int, int, int]:
@@ -265,7 +262,7 @@ def report(result: dict, hbm_gib: float, headroom: float) -> str:
                  f" {b['teacher_params'] / GIB:.2f} GiB)")
   lines.append(f"  {verdict}: peak {peak:.2f} GiB per device vs {hbm_gib:g} GiB x {headroom:g} headroom"
                f" ({100 * peak / hbm_gib:.0f} % of HBM)")
-  from opdjax.training.loss import placement_table
+  from opdjax.pipeline.teacher import placement_table
 
   lines += ["", "  which objective each teacher placement feeds (loss.kind x the teacher's placement):",
             *("    " + row for row in placement_table().splitlines())]

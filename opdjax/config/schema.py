@@ -39,10 +39,33 @@ from opdjax.config.sections import (  # noqa: F401  (constants re-exported: call
   TeacherConfig,
   VllmConfig,
 )
-from opdjax.config.train_section import BEST_METRICS, GUARDS, NONFINITE, TrainConfig  # noqa: F401  (re-exported)
+from opdjax.config.train_section import BEST_METRICS, GUARDS, NONFINITE, TrainConfig, gone  # noqa: F401  (re-exported)
 from opdjax.errors import UserError
-from opdjax.training.loss import LossConfig
+from opdjax.training.loss import FROM_LOGITS, SERVER_ANSWER, SERVER_WHERE, LossConfig, refusal
 from opdjax.training.step import OptimConfig
+
+# Where the teacher scores each rollout (Config.teacher_placement) -> what it gives the objective per position
+# (opdjax.training.loss) and the placement in words. The teacher seam (opdjax.pipeline.teacher) asks this table;
+# nothing else in the package keys on a placement.
+TEACHER_PLACEMENTS = {
+    "trainer": (FROM_LOGITS, "in the trainer (teacher.serve=trainer)"),
+    "engine": (FROM_LOGITS, "on the engine's side (rollout.teacher_scoring=engine)"),  # the trainer applies the head
+    "served": (SERVER_ANSWER, SERVER_WHERE),
+}
+
+
+def teacher_placement_of(serve: str, scoring: str = "trainer") -> str:
+  """The placement (a TEACHER_PLACEMENTS key) of teacher.serve=`serve` with rollout.teacher_scoring=`scoring`."""
+  if serve == "vllm":
+    return "served"
+  return "engine" if scoring == "engine" else "trainer"
+
+
+def placement_refusal(placement: str, loss: LossConfig) -> str | None:
+  """One line refusing objective `loss` with the teacher at `placement` (opdjax.training.loss.refusal); None
+  when that placement feeds it."""
+  provides, where = TEACHER_PLACEMENTS[placement]
+  return refusal(provides, where, loss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +126,7 @@ class Config:
     JAX engine's process, rollout.teacher_scoring='engine') or 'served' (its own vLLM servers,
     teacher.serve='vllm'). The one reading of those two keys; everything else asks this (the teacher seam,
     opdjax.pipeline.teacher)."""
-    if self.teacher.serve == "vllm":
-      return "served"
-    return "engine" if self.rollout.teacher_scoring == "engine" else "trainer"
+    return teacher_placement_of(self.teacher.serve, self.rollout.teacher_scoring)
 
   @property
   def teacher_served(self) -> bool:
@@ -118,14 +139,12 @@ class Config:
     return self.teacher_placement == "engine"
 
   def _check_teacher_placement(self) -> None:
-    """The objective against what the teacher's placement gives (opdjax.training.loss.PROVIDES)."""
-    from opdjax.training.loss import refusal
-
+    """The objective against what the teacher's placement gives (TEACHER_PLACEMENTS)."""
     if self.teacher.serve == "vllm" and self.rollout.teacher_scoring != "trainer":
       raise UserError(f"rollout.teacher_scoring={self.rollout.teacher_scoring!r} runs the teacher in the JAX engine's"
                       " process; teacher.serve='vllm' scores it on its own servers: choose one (leave"
                       " rollout.teacher_scoring='trainer').")
-    why = refusal(self.teacher_placement, self.loss)
+    why = placement_refusal(self.teacher_placement, self.loss)
     if why is not None:
       raise UserError(why)
 
@@ -145,6 +164,8 @@ def _build(cls, values: dict, where: str):
   hints = typing.get_type_hints(cls)
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - names)
+  if unknown and gone(f"{where}{unknown[0]}"):
+    raise ConfigError(gone(f"{where}{unknown[0]}"))
   if unknown:
     raise ConfigError(f"unknown config key {where}{unknown[0]}; valid keys in {where.rstrip('.') or '<root>'}:"
                       f" {sorted(names)}")

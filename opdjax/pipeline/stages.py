@@ -173,14 +173,10 @@ class GrpoObjective:
   """Verifier rewards, group-relative advantages, one jitted GRPO step (the baseline OPD is compared with)."""
 
   def __init__(self, session: Session):
-    from opdjax.pipeline.teacher import placed_away
+    from opdjax.pipeline.teacher import refuse_placed_away
     from opdjax.training import grpo
 
-    where = placed_away(session.cfg)  # (before the session's teacher: a GRPO config is refused as it is read)
-    if where is not None:
-      raise UserError(f"the teacher is placed {where} to score for the OPD"
-                      " loss; GRPO has no teacher: leave teacher.serve='trainer' and"
-                      " rollout.teacher_scoring='trainer' for the GRPO objective.")
+    refuse_placed_away(session.cfg, "GRPO")  # (before the session's teacher: a GRPO config is refused as it is read)
     self.grpo, self.session, self.step_fn = grpo, session, session.train_step("grpo")
 
   def prepare(self, rollout: Rollout, refs, step: int):

@@ -7,9 +7,9 @@ Three placements (`Config.teacher_placement`, the one reading of teacher.serve a
   (opdjax.rollout.jax.teacher); the step applies the head (its whole distribution);
 - `served`: the teacher's own vLLM servers answer the sampled token's log-prob and their top-K
   (opdjax.rollout.vllm.teacher); the trainer holds no teacher params at all.
-What each gives and what each objective needs are declared in opdjax.training.loss (PROVIDES, the
-objective registry); `refusal` turns the two into the one line a refused config reads, and
-`placement_table` into the table `opdjax plan` and `opdjax train --help` print.
+What each gives is the config's table (opdjax.config.schema.TEACHER_PLACEMENTS), what each objective needs
+opdjax.training.loss's registry; `refusal` turns the two into the one line a refused config reads, and
+`placement_table` here into the table `opdjax plan` and `opdjax train --help` print.
 
 A served teacher behind several trainer processes: process 0 starts the servers (or, with
 `teacher.vllm.per_host`, the first process of each host starts its host's), every process attaches to
@@ -26,11 +26,12 @@ import threading
 import jax
 import numpy as np
 
+from opdjax.config.schema import TEACHER_PLACEMENTS
 from opdjax.errors import UserError
 from opdjax.parallel import multihost
 from opdjax.pipeline.build import route_targets, teacher_folder
 from opdjax.rollout.deploy import objective_topk, serve_teacher
-from opdjax.training.loss import PLACEMENT_NAMES, PROVIDES
+from opdjax.training.loss import OBJECTIVES, LossConfig, feeds
 
 
 class Teacher:
@@ -63,7 +64,7 @@ class Teacher:
 
   @property
   def provides(self) -> frozenset:
-    return PROVIDES[self.kind]
+    return TEACHER_PLACEMENTS[self.kind][0]
 
   @property
   def served(self) -> bool:
@@ -79,7 +80,7 @@ class Teacher:
 
   @property
   def where(self) -> str:
-    return PLACEMENT_NAMES[self.kind]
+    return TEACHER_PLACEMENTS[self.kind][1]
 
   def answer(self, batch: dict, rollout, refs, step: int) -> tuple[dict, dict]:
     """Step `step`'s (0-based) re-scoring `batch` with what the placement brings to the OPD step, and the
@@ -264,10 +265,26 @@ class Teacher:
     self.servers.clear()
 
 
+def refuse_placed_away(cfg, objective: str) -> None:
+  """Refuses `objective` (one without a teacher: GRPO) when the config places the teacher away from the trainer
+  to score for the OPD loss (from the config, as it is read: before any teacher is built)."""
+  if cfg.teacher_served or cfg.teacher_on_engine:
+    where = TEACHER_PLACEMENTS[cfg.teacher_placement][1]
+    raise UserError(f"the teacher is placed {where} to score for the OPD loss; {objective} has no teacher: leave"
+                    f" teacher.serve='trainer' and rollout.teacher_scoring='trainer' for the {objective} objective.")
 
-def placed_away(cfg) -> str | None:
-  """Where the config places the teacher, in words, when that is not the trainer (None: in the trainer)."""
-  return None if not (cfg.teacher_served or cfg.teacher_on_engine) else PLACEMENT_NAMES[cfg.teacher_placement]
+
+def placement_table() -> str:
+  """Which objective each teacher placement feeds (`opdjax plan`, `opdjax train --help`, docs/served_teacher.md)."""
+  cols = list(TEACHER_PLACEMENTS)
+  rows = [("objective", *cols)]
+  for kind in OBJECTIVES:
+    for support in (("teacher", "student") if kind == "topk_rkl" else ("teacher",)):
+      cfg = LossConfig(kind=kind, topk_support=support)
+      name = kind + (f" (support={support})" if kind == "topk_rkl" else "")
+      rows.append((name, *("yes" if feeds(TEACHER_PLACEMENTS[c][0], cfg) else "no" for c in cols)))
+  width = [max(len(r[i]) for r in rows) for i in range(len(cols) + 1)]
+  return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, width)).rstrip() for r in rows)
 
 
 def take_rows(rollout, rows):

@@ -242,7 +242,7 @@ def serve_teacher(d: Deployment, cfg, model_dir: str | None, *, vocab_size: int,
   from opdjax.rollout.vllm.teacher import ServedTeacher
 
   if not d.teacher_served:
-    raise ValueError("this Deployment scores the teacher in the trainer (teacher.serve='trainer').")
+    raise ValueError("this Deployment does not serve its teacher (teacher.serve='vllm' does).")
   vcfg = d.teacher_vllm if url is None else dataclasses.replace(d.teacher_vllm, url="", urls=url, num_servers=1)
   return ServedTeacher(vcfg, model_dir, max_len=cfg.rollout.max_len, batch_size=batch_size,
                        topk=objective_topk(cfg) if topk is None else topk, vocab_size=vocab_size,

@@ -151,7 +151,7 @@ def served_terms(logits_s, teacher: dict, targets, cfg: LossConfig, mask=None, r
   lp_t = jax.lax.stop_gradient(teacher["teacher_logprobs"].astype(jnp.float32))
   served = OBJECTIVES[cfg.kind].served
   if served is None:  # the config's check refuses this first (Config.check, teacher placements)
-    raise UserError(refusal("served", cfg))
+    raise UserError(refusal(SERVER_ANSWER, SERVER_WHERE, cfg))
   term = (_sampled_rkl(logp_s, lp_s, lp_t, mask, cfg, rollout_lp) if cfg.student_logprobs == "rollout"
           else served(logp_s, lp_s, lp_t, teacher, mask, cfg))
   entropy = -jnp.sum(jnp.exp(logp_s) * logp_s, axis=-1)
@@ -188,25 +188,23 @@ def _jsd(logp_s, logp_t, cfg: LossConfig):
   return b * _kl(logp_t, logm) + (1 - b) * _kl(logp_s, logm)
 
 
-# What a teacher placement gives the objective, per position (the teacher seam, opdjax.pipeline.teacher,
-# says which placement a run has): the trainer's own teacher and the engine side's hidden states give its
-# whole distribution; a vLLM server gives the sampled token's log-prob and its own top-K (prompt_logprobs).
+# What a teacher gives the objective, per position: its logits (the trainer's own teacher, or the hidden states
+# the engine's side hands back, to which the trainer applies the head) give its whole distribution; a vLLM
+# server's answer (`served_terms`' input) the sampled token's log-prob and its own top-K (prompt_logprobs).
+# Which placement gives which, and its name in words, is the config's (opdjax.config.schema.TEACHER_PLACEMENTS,
+# asked through the teacher seam, opdjax.pipeline.teacher): nothing here knows where a run's teacher is.
 SAMPLED, TOPK, STUDENT_IDS, FULL = "sampled-token log-prob", "teacher top-K", "log-probs at student-chosen ids", \
     "full distribution"
-PROVIDES = {
-    "trainer": frozenset({SAMPLED, TOPK, STUDENT_IDS, FULL}),
-    "engine": frozenset({SAMPLED, TOPK, STUDENT_IDS, FULL}),  # hidden states: the trainer applies the head
-    "served": frozenset({SAMPLED, TOPK}),
-}
-PLACEMENT_NAMES = {"trainer": "in the trainer (teacher.serve=trainer)",
-                   "engine": "on the engine's side (rollout.teacher_scoring=engine)",
-                   "served": "served by vLLM (teacher.serve=vllm)"}
+FROM_LOGITS = frozenset({SAMPLED, TOPK, STUDENT_IDS, FULL})
+SERVER_ANSWER = frozenset({SAMPLED, TOPK})
+SERVER_WHERE = "served by vLLM (teacher.serve=vllm)"  # the teacher whose answer `served_terms` reads, in words
 
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-  """One registered objective: what it needs from the teacher (`needs(cfg)`: a set of PROVIDES' items),
-  its per-token term from both distributions (`term(logp_s, logp_t, lp_s, lp_t, rkl, mask, cfg)`) and,
+  """One registered objective: what it needs from the teacher (`needs(cfg)`: a set of SAMPLED, TOPK,
+  STUDENT_IDS, FULL), its per-token term from both distributions (`term(logp_s, logp_t, lp_s, lp_t, rkl, mask,
+  cfg)`) and,
   where a served teacher's answer suffices, from that answer (`served(logp_s, lp_s, lp_t, teacher, mask,
   cfg)`; None: it needs more than a server returns)."""
 
@@ -239,41 +237,29 @@ register(Objective("jsd", lambda cfg: frozenset({FULL}),
                    lambda logp_s, logp_t, lp_s, lp_t, rkl, m, cfg: _jsd(logp_s, logp_t, cfg)))
 
 
-def feeds(placement: str, cfg: LossConfig) -> bool:
-  """The teacher `placement` (a PROVIDES key) gives what objective `cfg` needs (a registered term too)."""
+def feeds(provides: frozenset, cfg: LossConfig) -> bool:
+  """A teacher that gives `provides` (FROM_LOGITS, SERVER_ANSWER) gives what objective `cfg` needs (a registered
+  term too)."""
   objective = OBJECTIVES[cfg.kind]
-  return objective.needs(cfg) <= PROVIDES[placement] and (FULL in PROVIDES[placement] or objective.served is not None)
+  return objective.needs(cfg) <= provides and (FULL in provides or objective.served is not None)
 
 
-def fed_by(placement: str) -> list[str]:
-  """The objectives (with their default settings) a teacher `placement` feeds."""
-  return [k for k in OBJECTIVES if feeds(placement, LossConfig(kind=k))]
+def fed_by(provides: frozenset) -> list[str]:
+  """The objectives (with their default settings) a teacher that gives `provides` feeds."""
+  return [k for k in OBJECTIVES if feeds(provides, LossConfig(kind=k))]
 
 
-def refusal(placement: str, cfg: LossConfig) -> str | None:
-  """One line refusing objective `cfg` with the teacher `placement`, naming what this placement can feed;
-  None when it feeds it."""
-  if feeds(placement, cfg):
+def refusal(provides: frozenset, where: str, cfg: LossConfig) -> str | None:
+  """One line refusing objective `cfg` with a teacher that gives `provides`, placed `where` (in words), naming
+  what that placement can feed; None when it feeds it."""
+  if feeds(provides, cfg):
     return None
-  missing = sorted(OBJECTIVES[cfg.kind].needs(cfg) - PROVIDES[placement]) or ["answer in a form it takes (no served"
-                                                                             " term is registered)"]
+  missing = sorted(OBJECTIVES[cfg.kind].needs(cfg) - provides) or ["answer in a form it takes (no served"
+                                                                   " term is registered)"]
   what = f"loss.kind={cfg.kind!r}" + (f" with loss.topk_support={cfg.topk_support!r}" if cfg.kind == "topk_rkl" else "")
-  return (f"{what} needs the teacher's {' and '.join(missing)}, which a teacher {PLACEMENT_NAMES[placement]} does"
-          f" not give; this placement feeds {', '.join(fed_by(placement))} (loss.topk_support='teacher'), or move the"
+  return (f"{what} needs the teacher's {' and '.join(missing)}, which a teacher {where} does"
+          f" not give; this placement feeds {', '.join(fed_by(provides))} (loss.topk_support='teacher'), or move the"
           " teacher (teacher.serve=trainer).")
-
-
-def placement_table() -> str:
-  """Which objective each teacher placement feeds (`opdjax plan`, `opdjax train --help`, docs/objectives.md)."""
-  cols = list(PROVIDES)
-  rows = [("objective", *cols)]
-  for kind in OBJECTIVES:
-    for support in (("teacher", "student") if kind == "topk_rkl" else ("teacher",)):
-      cfg = LossConfig(kind=kind, topk_support=support)
-      name = kind + (f" (support={support})" if kind == "topk_rkl" else "")
-      rows.append((name, *("yes" if feeds(c, cfg) else "no" for c in cols)))
-  width = [max(len(r[i]) for r in rows) for i in range(len(cols) + 1)]
-  return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, width)).rstrip() for r in rows)
 
 
 def per_token_terms(logits_s, logits_t, targets, cfg: LossConfig, mask=None, rollout_lp=None) -> dict[str, jax.Array]:
