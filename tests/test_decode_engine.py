@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opdjax.models import Model, ModelConfig, decode, kv_cache
+from opdjax.models import Model, ModelConfig, inference, kv_cache
 from opdjax.models.layers import kv_fake_quant
 from opdjax.rollout import JaxEngine, SamplingParams
 from opdjax.rollout.jax import engine as engine_mod
@@ -256,7 +256,7 @@ def test_w8a16_engine_holds_fp8_weights_and_matches_the_weights_view(random_para
   recipe = [("layers.*", "fp8_e4m3:channel")]
   engine, r = _rollout(model, perturb.apply_recipe(params, recipe, pack=True))
   qkv = engine._params["layers"][0]["qkv"]
-  assert isinstance(qkv, decode.W8A16) and qkv.q.dtype == jnp.float8_e4m3fn and qkv.q.shape == (32, 64)
+  assert isinstance(qkv, inference.W8A16) and qkv.q.dtype == jnp.float8_e4m3fn and qkv.q.shape == (32, 64)
   assert qkv.scale.shape == (1, 64)
   batch = batch_from_rollout(r)
   fake = perturb.apply_recipe(params, recipe)

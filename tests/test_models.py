@@ -343,7 +343,7 @@ def _dot_count(fn, *args) -> int:
 def test_traced_program_does_not_grow_with_depth():
   """One scan body whatever the depth: the forward and the remat backward trace the same number of
   matmuls for 1 and 6 layers (an unrolled decoder has 6x as many). The engine's decode step is
-  unrolled on purpose (per-layer weights and cache, opdjax.models.decode): one projection set per layer."""
+  unrolled on purpose (per-layer weights and cache, opdjax.models.inference): one projection set per layer."""
   tokens = jnp.zeros((2, 5), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
   mask = jnp.ones((2, 5), jnp.int32)

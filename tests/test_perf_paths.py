@@ -213,7 +213,7 @@ def test_fp8_dot_is_the_fake_quant_product(gran, transposed):
   x = jnp.asarray(rng.normal(0, 1, (2, 5, 32)), jnp.float32)
   w = jnp.asarray(rng.normal(0, 0.2, (32, 16)) * rng.uniform(0.1, 3, (1, 16)), jnp.float32)
   packed = quant.quantize(w, quant.QuantFormat("fp8_e4m3", gran))
-  if transposed:  # [out, in], the layout an FP8 GEMM reads (opdjax.models.decode.prepare)
+  if transposed:  # [out, in], the layout an FP8 GEMM reads (opdjax.models.inference.prepare)
     packed = packed.replace(q=packed.q.T, transposed=True)
   got = quant.fp8_dot(x, packed)
   sx = quant.absmax_scale(x, "fp8_e4m3", axis=-1)

@@ -13,7 +13,7 @@ written at slot `cache["index"]`.
 
 Without a cache (training, scoring) the decoder layers are one `nn.scan` over stacked params
 (`params["layers"][...]` has a leading `[L]` axis), so compile time does not grow with depth. With a
-cache the layers run as an engine runs them (`opdjax.models.decode`: per-layer weights, one KV buffer
+cache the layers run as an engine runs them (`opdjax.models.inference`: per-layer weights, one KV buffer
 per layer, `opdjax.models.kv_cache`); `Model.apply` prepares those weights from `params` on every call,
 an engine once per weight version.
 
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from opdjax.errors import UserError
-from opdjax.models import decode, kv_cache
+from opdjax.models import inference, kv_cache
 from opdjax.models.attention import (  # noqa: F401  (re-exported: callers import these from here)
   Attention,
   attention_backend,
@@ -169,10 +169,10 @@ class Model:
     return self.module.init(rng, tokens, method=Decoder.init_all)["params"]
 
   def hidden(self, params, tokens, positions, attention_mask, cache=None):
-    """`(hidden [B, T, D], cache)`; with a cache, through `opdjax.models.decode` (weights prepared here)."""
+    """`(hidden [B, T, D], cache)`; with a cache, through `opdjax.models.inference` (weights prepared here)."""
     if cache is not None:
-      return decode.forward(decode.prepare(params, self.cfg), cache, tokens, positions,
-                            decode.slot_starts(attention_mask), self.cfg)
+      return inference.forward(inference.prepare(params, self.cfg), cache, tokens, positions,
+                               inference.slot_starts(attention_mask), self.cfg)
     with matmul_precision(self.cfg.dtype):
       return self.module.apply({"params": params}, tokens, positions, attention_mask), None
 

@@ -86,7 +86,7 @@ def kv_fake_quant(x_BxTxKxE: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 class Linear(nn.Module):
   """`y = x @ kernel (+ bias)`; with `act_quant`, x is first rounded per token (W8A8 numerics). Packed
-  fp8 weights never reach it: an engine multiplies them itself (opdjax.models.decode)."""
+  fp8 weights never reach it: an engine multiplies them itself (opdjax.models.inference)."""
 
   features: int
   use_bias: bool

@@ -6,7 +6,7 @@ per layer, written in place). Prompts are left-padded so every row writes the sa
 each step, and each row attends over its own filled slots.
 
 The engine holds its weights as a decode step multiplies them (`install_params`, once per weight
-version: opdjax.models.decode.prepare): per layer, q|k|v and gate|up fused, in the compute dtype;
+version: opdjax.models.inference.prepare): per layer, q|k|v and gate|up fused, in the compute dtype;
 packed fp8 weights from a `weights` view stay fp8 (W8A16: upcast inside the dot, scale after it), or
 for an `fp8_matmul` model are multiplied on fp8 with fp8 activations (W8A8).
 
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from opdjax.models import decode
+from opdjax.models import inference
 from opdjax.models.decoder import Model, positions_from_mask
 from opdjax.models.quant import check_fp8_support
 from opdjax.parallel.placement import SINGLE
@@ -34,16 +34,16 @@ DONE_EVERY = 16  # decode steps between two tests of whether every row has ended
 
 
 def install_params(params, model: Model):
-  """The params as the engine holds them (opdjax.models.decode.prepare). Pure, so `jax.eval_shape`
+  """The params as the engine holds them (opdjax.models.inference.prepare). Pure, so `jax.eval_shape`
   gives an engine's abstract params."""
-  return decode.prepare(params, model.cfg)
+  return inference.prepare(params, model.cfg)
 
 
 def decode_step(prepared, cache, tokens_B, positions_B, start_B, *, model: Model):
   """One new token per row, written at slot `cache["index"]`; row b attends over slots
   `[start_B[b], index]`. Returns `(logits [B, V] fp32, cache)`."""
-  h, cache = decode.forward(prepared, cache, tokens_B[:, None], positions_B[:, None], start_B, model.cfg)
-  return decode.logits(prepared, h[:, 0], model.cfg), cache
+  h, cache = inference.forward(prepared, cache, tokens_B[:, None], positions_B[:, None], start_B, model.cfg)
+  return inference.logits(prepared, h[:, 0], model.cfg), cache
 
 
 def decode_step_program(model: Model, batch: int, slots: int, placement=None) -> jax.stages.Compiled:
@@ -63,11 +63,11 @@ def generate_loop(prepared, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: M
   n = sampling.max_new_tokens
   cfg = model.cfg
   positions = positions_from_mask(prompt_mask_BxP)
-  start = decode.slot_starts(prompt_mask_BxP)  # left-padded: a row's filled slots are [start, index]
+  start = inference.slot_starts(prompt_mask_BxP)  # left-padded: a row's filled slots are [start, index]
   # The prefill writes slots [0, P) and zeroes the rest in place: the donated cache holds the last
   # call's keys and values, and a diverged call's NaN would poison a masked slot's zero weight.
-  h, cache = decode.forward(prepared, {**cache, "index": jnp.zeros((), jnp.int32)}, prompt_BxP, positions, start,
-                            cfg, clear_tail=True)
+  h, cache = inference.forward(prepared, {**cache, "index": jnp.zeros((), jnp.int32)}, prompt_BxP, positions, start,
+                               cfg, clear_tail=True)
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
   def body(_, s):
@@ -92,7 +92,7 @@ def generate_loop(prepared, cache, prompt_BxP, prompt_mask_BxP, rng, *, model: M
       "cache": cache,
       "pos": positions[:, -1] + 1,
       "rng": rng,
-      "logits": decode.logits(prepared, h[:, -1], cfg),
+      "logits": inference.logits(prepared, h[:, -1], cfg),
   }
   if not eos_ids:
     s = jax.lax.fori_loop(0, n, body, s)
