@@ -222,7 +222,7 @@ def stage_forms(cfg, out: str, extra_views: int, run_budget: int) -> dict:
 
 def stage_calibrate(cfg, out: str, extra_views: int, run_budget: int, folder: str = "calibration") -> dict:
   from opdjax.analyses import admission, study_design, verdicts
-  from opdjax.pipeline.budget import load_budget
+  from opdjax.pipeline.guards import load_budget
 
   path = os.path.join(out, folder, "budget.json")
   max_seeds = run_budget // (len(_views(cfg.calibrate.views)) + extra_views)
@@ -300,7 +300,7 @@ def stage_sensitivity(cfg, out: str) -> dict:
 
 def stage_admission(cfg, out: str, budget_path: str, recipe_weights: str) -> dict:
   from opdjax.analyses import study_design, verdicts
-  from opdjax.pipeline.budget import load_budget
+  from opdjax.pipeline.guards import load_budget
 
   budget = load_budget(budget_path)
   d = os.path.join(out, "validation")

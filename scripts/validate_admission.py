@@ -23,7 +23,7 @@ from opdjax.analyses import admission, reporting
 from opdjax.analyses.sweep import final_quality, sweep_config, train_run
 from opdjax.config.resolve import resolve_config, split_overrides
 from opdjax.config.schema import build
-from opdjax.pipeline.budget import load_budget
+from opdjax.pipeline.guards import load_budget
 from opdjax.pipeline.session import Session
 from opdjax.views.view import EngineView
 

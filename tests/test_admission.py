@@ -8,7 +8,7 @@ import pytest
 from opdjax.analyses import admission
 from opdjax.cli import main
 from opdjax.errors import UserError
-from opdjax.pipeline.budget import load_budget
+from opdjax.pipeline.guards import load_budget
 
 pytestmark = pytest.mark.slow  # calibration and admission runs: the full suite runs them
 

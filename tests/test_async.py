@@ -1,5 +1,5 @@
 """Asynchronous rollouts (opdjax.pipeline.async_sampler) and the runtime mismatch guard
-(opdjax.pipeline.guard): depth 0 is the synchronous loop, exact mode is the lag view bitwise (one and
+(opdjax.pipeline.guards): depth 0 is the synchronous loop, exact mode is the lag view bitwise (one and
 two host devices), bounded mode keeps its staleness bound, resume with rollouts in flight, start-up
 errors, and the guard's warn / backoff / halt."""
 
@@ -19,7 +19,7 @@ from opdjax.config.defaults import default_config
 from opdjax.config.loader import ConfigError, apply_overrides
 from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
-from opdjax.pipeline.guard import GuardHook
+from opdjax.pipeline.guards import MismatchGuard
 from opdjax.pipeline.hooks import EvalHook
 from opdjax.pipeline.loop import Hook, run_loop
 from opdjax.pipeline.session import Session
@@ -264,7 +264,7 @@ def test_devices_the_engine_cannot_use_are_refused_at_start_up(session, monkeypa
 # --- the mismatch guard --------------------------------------------------------------------------
 
 def _budget(tmp_path, value, student="", **rollout):
-  from opdjax.pipeline.budget import BUDGET_FORMAT
+  from opdjax.pipeline.guards import BUDGET_FORMAT
 
   cfg = Config().to_dict()
   cfg["rollout"].update(rollout)
@@ -277,7 +277,7 @@ def _budget(tmp_path, value, student="", **rollout):
 
 @pytest.fixture(scope="module")
 def fingerprint(session):
-  from opdjax.pipeline.budget import params_fingerprint
+  from opdjax.pipeline.guards import params_fingerprint
 
   return params_fingerprint(session.student_params)
 
@@ -318,7 +318,7 @@ class _NoiseRamp:
 def test_noise_ramp_trips_the_guard_and_backoff_keeps_the_run_within_budget(session, monkeypatch):
   budget = 0.05
   monkeypatch.setattr(session, "engine_params", _NoiseRamp(session))
-  guard = GuardHook(budget, "budget.json", "backoff", window=2, safer_view=EngineView())
+  guard = MismatchGuard(budget, "budget.json", "backoff", window=2, safer_view=EngineView())
   loop = run_loop(session, view=EngineView(noise_sigma=0.02), steps=20, hooks=[guard], async_depth=1)
   recs = loop.records
   events = [(r["step"], r["guard_event"]) for r in recs if "guard_event" in r]
@@ -345,7 +345,7 @@ def test_guard_halt_stops_with_a_checkpoint_of_the_step(demo_cache, tmp_path, ca
   recs = _records(out)
   tripped = next(r for r in recs if "guard_event" in r)
   assert tripped["guard_event"].endswith(": halt") and tripped["guard_mismatch"] > 1e-4
-  assert f"at step {tripped['step']} the live mismatch" in err and "exceeds the budget 0.0001" in err and path in err
+  assert f"at step {tripped['step']}, the live mismatch" in err and "exceeds the budget 0.0001" in err and path in err
   assert "guard: live mismatch" in err  # the progress line
   steps = sorted(int(s) for s in os.listdir(out / "checkpoints" / "latest") if s.isdigit())
   assert steps == [recs[-1]["step"]] and recs[-1]["step"] in (tripped["step"], tripped["step"] + 1)

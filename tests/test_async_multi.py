@@ -30,7 +30,7 @@ STEPS = 6
 def run_files(tmp_path_factory, random_params):
   """A tiny random llama teacher and student (HF folders) and a budget for the guard, calibrated on
   that student (its fingerprint) with a budget so small that the guard warns."""
-  from opdjax.pipeline.budget import BUDGET_FORMAT, params_fingerprint
+  from opdjax.pipeline.guards import BUDGET_FORMAT, params_fingerprint
 
   pytest.importorskip("vllm")
   d = tmp_path_factory.mktemp("async-multi")

@@ -1,14 +1,15 @@
-"""The collapse guard (opdjax.pipeline.telemetry.CollapseGuardHook) and the repetition fields it reads
-(opdjax.pipeline.lengths.repetition_fields); the run-level test is a high learning rate on the demo."""
+"""The collapse guard (opdjax.pipeline.guards.CollapseGuard) and the repetition fields it reads
+(opdjax.rollout.base.repetition_fields, read by Rollout.lengths); the run-level test is a high learning rate on
+the demo."""
 
 import json
 
 import numpy as np
 import pytest
 
-from opdjax.pipeline.lengths import repetition_fields
+from opdjax.pipeline.guards import CollapseGuard, CollapseHalt
 from opdjax.pipeline.loop import Loop
-from opdjax.pipeline.telemetry import CollapseGuardHook, CollapseHalt
+from opdjax.rollout.base import repetition_fields
 
 EOS = 2
 
@@ -41,7 +42,7 @@ def _feed(guard, loop, values, start=1):
 
 @pytest.mark.parametrize("policy", ["warn", "halt"])
 def test_the_collapse_guard_fires_when_entropy_and_distinct_share_both_fall_under_the_ratio(policy):
-  guard, loop = CollapseGuardHook(policy, ratio=0.5, window=2), _loop()
+  guard, loop = CollapseGuard(policy, ratio=0.5, window=2), _loop()
   healthy = [(4.0, 0.8), (4.0, 0.8)]  # the reference window
   sharper = [(1.0, 0.8), (1.0, 0.8)]  # entropy down to 1/4, tokens as varied: a student growing sharp, not collapse
   repetitive = [(3.5, 0.2), (3.5, 0.2)]  # repetitive but not confident: not both
@@ -63,10 +64,10 @@ def test_the_collapse_guard_fires_when_entropy_and_distinct_share_both_fall_unde
 
 
 def test_the_collapse_guard_reference_survives_a_checkpoint():
-  before, loop = CollapseGuardHook("warn", 0.5, 2), _loop()
+  before, loop = CollapseGuard("warn", 0.5, 2), _loop()
   _feed(before, loop, [(4.0, 0.8), (4.0, 0.8), (0.1, 0.05)])
-  resumed = CollapseGuardHook("warn", 0.5, 2, state=json.loads(json.dumps(before.state())))
-  fresh = CollapseGuardHook("warn", 0.5, 2)
+  resumed = CollapseGuard("warn", 0.5, 2, state=json.loads(json.dumps(before.state())))
+  fresh = CollapseGuard("warn", 0.5, 2)
   a, b = (_feed(g, loop, [(0.1, 0.05)], start=4)[0] for g in (resumed, fresh))
   assert "collapse_guard_event" in a and "collapse_guard_event" not in b  # fresh: that window is its reference
 

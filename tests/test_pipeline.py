@@ -192,7 +192,8 @@ def test_tensorboard_events_have_reverse_kl_only_where_measured(demo_cache, tmp_
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
   out = tmp_path / "tb"
-  assert _train(out, "--config.train.steps=4", "--config.train.eval_every=2", "--config.train.tensorboard=true") == 0
+  assert _train(out, "--config.train.steps=4", "--config.train.eval_every=2",
+                "--config.train.loggers=jsonl,tensorboard") == 0
   err = capsys.readouterr().err
   assert "\r" not in err and "\x1b[" not in err  # not a terminal: plain progress lines, no bar frames
   assert "OPD: step 4/4 rev=" in err

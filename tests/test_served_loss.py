@@ -98,7 +98,9 @@ def test_topk_rkl_at_small_k_follows_the_tail_rule_in_float64_and_differs_from_t
   (h_s, w_s, targets, mask, logp_t, answer), trainer, served = _losses("topk_rkl", 3)
   got = float(served(h_s, w_s))
   assert np.exp(logp_t).max() > 1 - 1e-4  # a position whose tail mass 1 - sum(top-3) would cancel in fp32
-  np.testing.assert_allclose(got, _reference_topk(h_s, w_s, targets, mask, answer, 3), rtol=2e-6)
+  # rtol: XLA:CPU's vectorized exp/log differ by CPU (6.5e-6 seen on an EPYC family 25 model 1, under 2e-6 on
+  # model 17); the tail taken as 1 - sum(top-3) in fp32, the error this guards, is off by 1.6e-4 here.
+  np.testing.assert_allclose(got, _reference_topk(h_s, w_s, targets, mask, answer, 3), rtol=2e-5)
   full = float(trainer(h_s, w_s, "full_rkl"))
   assert abs(got - full) > 1e-3 * abs(full)  # K = 3 of 11 loses mass into the buckets: the test has power
   # A flatter teacher (every tail far above the floor): the trainer's topk_rkl over the same support with its

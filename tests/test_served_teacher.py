@@ -179,8 +179,8 @@ def test_a_bf16_teacher_killed_mid_async_run_stops_it_and_the_resumed_producer_r
   from helpers import require_vllm
   from test_orphans import ROOT, children_of
 
-  from opdjax.pipeline.budget import BUDGET_FORMAT, params_fingerprint
   from opdjax.pipeline.build import load_model, make_task
+  from opdjax.pipeline.guards import BUDGET_FORMAT, params_fingerprint
 
   require_vllm()
   cfg = _cfg()

@@ -117,7 +117,7 @@ def _budget(files, folder, value: float):
   """A budget.json of `value` nats/token for the test student (its fingerprint), as `opdjax calibrate` writes."""
   from opdjax.models.config import ModelConfig
   from opdjax.models.hf_io import load_hf_params
-  from opdjax.pipeline.budget import BUDGET_FORMAT, params_fingerprint
+  from opdjax.pipeline.guards import BUDGET_FORMAT, params_fingerprint
 
   student = load_hf_params(str(files / "student"), ModelConfig.from_pretrained(str(files / "student")))
   path = folder / "budget.json"

@@ -11,10 +11,10 @@ from opdjax.config.defaults import default_config
 from opdjax.config.loader import apply_overrides
 from opdjax.config.schema import build
 from opdjax.errors import UserError
-from opdjax.pipeline import trackers
-from opdjax.pipeline.lengths import length_fields
+from opdjax.pipeline.guards import LengthGuard, LengthHalt
 from opdjax.pipeline.loop import Loop
-from opdjax.pipeline.telemetry import LengthGuardHook, LengthHalt
+from opdjax.pipeline.writers import trackers
+from opdjax.rollout.base import length_fields
 
 EOS = 1
 
@@ -34,7 +34,7 @@ def _loop(steps=20):
 
 @pytest.mark.parametrize("policy", ["warn", "halt"])
 def test_the_length_guard_acts_on_the_window_mean_only_above_its_threshold(policy):
-  guard, loop = LengthGuardHook(policy, threshold=0.5, window=3), _loop()
+  guard, loop = LengthGuard(policy, threshold=0.5, window=3), _loop()
   shares = [0.4, 0.6, 0.5, 0.5, 0.9, 0.8, 0.9, 0.7, 0.8]  # windows: 0.5 (not above), 0.53, ..., 0.87, 0.8
   recs = []
   for step, share in enumerate(shares, 1):
@@ -60,11 +60,25 @@ def test_the_length_guard_acts_on_the_window_mean_only_above_its_threshold(polic
     ("train.loggers", "jsonl,mlflow", r"'mlflow' is not a logger; choose from jsonl, tensorboard, wandb, trackio"),
     ("train.log_samples_every", "2000", r"larger than the run \(train.steps=1200\)"),
     ("train.length_guard", "stop", "choose one of 'off', 'warn', 'halt'"),
+    ("train.tensorboard", "true", r"train.tensorboard is gone: .* train.loggers=jsonl,tensorboard"),
 ])
 def test_bad_telemetry_config_is_one_line(key, value, match):
   with pytest.raises(UserError, match=match) as e:
     build(apply_overrides(default_config(), {key: value}))
   assert "\n" not in str(e.value)
+
+
+def test_a_gone_key_is_refused_in_a_config_file_and_left_out_of_a_resume_s_comparison():
+  from opdjax.config.schema import Config
+  from opdjax.pipeline.run import config_changes
+
+  cfg = default_config().to_dict()
+  cfg["train"]["tensorboard"] = True
+  with pytest.raises(UserError, match=r"^train.tensorboard is gone: .*train.loggers=jsonl,tensorboard"):
+    build(cfg)
+  old = Config().to_dict()
+  old["train"]["tensorboard"] = True  # an older run's config.json
+  assert config_changes(old, Config().to_dict()) == ({}, {})
 
 
 def test_a_tracker_not_installed_is_one_line_naming_the_extra_before_out_is_written(tmp_path, capsys, monkeypatch):
@@ -91,10 +105,10 @@ def test_the_length_guard_window_survives_a_checkpoint():
   """A resumed run's guard continues the window the checkpoint kept (as the uninterrupted run's would)."""
   import json
 
-  before, loop = LengthGuardHook("warn", threshold=0.5, window=3), _loop()
+  before, loop = LengthGuard("warn", threshold=0.5, window=3), _loop()
   for step in (1, 2):
     before.record(loop, {"step": step, "truncated_frac": 0.9})
-  resumed, fresh = (LengthGuardHook("warn", 0.5, 3, state=s) for s in (json.loads(json.dumps(before.state())), None))
+  resumed, fresh = (LengthGuard("warn", 0.5, 3, state=s) for s in (json.loads(json.dumps(before.state())), None))
   a, b = {"step": 3, "truncated_frac": 0.9}, {"step": 3, "truncated_frac": 0.9}
   resumed.record(loop, a)
   fresh.record(loop, b)

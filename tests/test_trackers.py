@@ -2,7 +2,7 @@
 
 import json
 
-from opdjax.pipeline.trackers import TrackioWriter, WandbWriter, run_identity
+from opdjax.pipeline.writers.trackers import TrackioWriter, WandbWriter, run_identity
 
 
 def _start(out, time):

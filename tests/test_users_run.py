@@ -98,7 +98,7 @@ def wandb_store(out) -> tuple[list[dict], dict]:
 
 def test_hub_ids_a_dataset_wandb_offline_samples_and_length_fields(env, tmp_path):
   pytest.importorskip("wandb")
-  from opdjax.pipeline.trackers import source_commit
+  from opdjax.pipeline.writers.trackers import source_commit
 
   out = tmp_path / "run"
   assert cli.main(_args(env, out, "--config.train.steps=4", "--config.train.log_samples_every=2",

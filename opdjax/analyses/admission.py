@@ -36,8 +36,8 @@ from opdjax.analyses.verdicts import tolerance as verdicts_tolerance
 from opdjax.config.schema import Config, build
 from opdjax.errors import UserError
 from opdjax.models.quant import QuantFormat
-from opdjax.pipeline.budget import BUDGET_FORMAT, load_budget, params_fingerprint
 from opdjax.pipeline.checkpoint import package_versions
+from opdjax.pipeline.guards import BUDGET_FORMAT, load_budget, params_fingerprint
 from opdjax.pipeline.session import Session
 from opdjax.progress import bar as progress_bar
 from opdjax.views.view import EngineView

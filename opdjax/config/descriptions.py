@@ -101,7 +101,6 @@ DESCRIPTIONS: dict[str, str] = {
     "train.keep_checkpoints": "checkpoints kept under OUT/checkpoints/latest",
     "train.best_metric": "the held-out metric OUT/checkpoints/best follows",
     "train.on_nonfinite": "a non-finite loss: halt (keep the last good checkpoint) or skip the update",
-    "train.tensorboard": "also write TensorBoard event files under OUT/tensorboard",
     "train.budget": "a budget.json of `opdjax calibrate` the mismatch guard compares with",
     "train.guard": "the mismatch guard over budget: warn, backoff or halt",
     "train.guard_view": "backoff: the engine view the guard switches to",

@@ -12,6 +12,7 @@ import os
 
 import ml_collections
 
+from opdjax.config.train_section import gone
 from opdjax.errors import UserError
 
 
@@ -63,6 +64,8 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
     parts = dotted.split(".")
     for i, key in enumerate(parts):
       if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+        if gone(dotted):
+          raise ConfigError(f"--config.{gone(dotted)}")
         where = ".".join(parts[:i]) or "<root>"
         valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
         raise ConfigError(f"unknown config key --config.{dotted}: {where} has no {key!r}; valid keys: {valid}")

@@ -14,6 +14,14 @@ BEST_METRICS = ("", "reverse_kl", "accuracy")
 GUARDS = ("warn", "backoff", "halt")
 
 LOGGERS = ("jsonl", "tensorboard", "wandb", "trackio")
+# Keys this opdjax no longer has, each with what replaced it: set, they are refused naming it; in an older
+# run's config they are left out of a resume's comparison.
+GONE = {"train.tensorboard": "TensorBoard is a logger now: train.loggers=jsonl,tensorboard"}
+
+
+def gone(key: str) -> str | None:
+  """The one-line refusal of a key that is gone, None for any other key."""
+  return f"{key} is gone: {GONE[key]}." if key in GONE else None
 
 
 def parse_loggers(spec: str) -> tuple[str, ...]:
@@ -30,16 +38,15 @@ def parse_loggers(spec: str) -> tuple[str, ...]:
 class TrainConfig:
   """Checkpoints (Orbax) go to OUT/checkpoints every `checkpoint_every` steps and at the end; the same
   --out resumes from the latest. on_nonfinite: halt (keep the last good checkpoint) or skip.
-  tensorboard: also write TensorBoard event files under OUT/tensorboard/.
   budget: a budget.json of `opdjax calibrate`; `guard` compares the mean of the last `guard_window`
   steps' mismatch with it: warn, backoff (lower rollout.async_depth, then switch to `guard_view`)
-  or halt (opdjax.pipeline.guard). `timed`: every step's record carries the time split (time_generate_s,
+  or halt (opdjax.pipeline.guards). `timed`: every step's record carries the time split (time_generate_s,
   time_train_s, ...; a synchronous run then waits for each stage, asynchronous runs always carry it).
-  loggers: where records go besides OUT/metrics.jsonl (always written), comma-separated from jsonl,
-  tensorboard, wandb, trackio (opdjax.pipeline.trackers; `tracker_project` names the W&B / trackio
-  project). log_samples_every: every k steps a few samples to OUT/samples.jsonl and the trackers' tables
+  loggers: every writer of the records, comma-separated from jsonl (OUT/metrics.jsonl, always written),
+  tensorboard (OUT/tensorboard/), wandb, trackio (opdjax.pipeline.writers; `tracker_project` names the W&B /
+  trackio project). log_samples_every: every k steps a few samples to OUT/samples.jsonl and the trackers' tables
   (0: none). length_guard: off, warn or halt when more than `length_guard_threshold` of the completions
-  hit rollout.max_new_tokens over `length_guard_window` steps (opdjax.pipeline.telemetry). collapse_guard:
+  hit rollout.max_new_tokens over `length_guard_window` steps (opdjax.pipeline.guards). collapse_guard:
   off, warn or halt when the completions' entropy and distinct-token share over `collapse_guard_window` steps
   both fall under `collapse_guard_ratio` x those of the run's first window. micro_batches:
   gradient accumulation (opdjax.training.step.accumulate_gradients)."""
@@ -51,7 +58,6 @@ class TrainConfig:
   keep_checkpoints: int = 3
   best_metric: str = "reverse_kl"
   on_nonfinite: str = "halt"
-  tensorboard: bool = False
   budget: str = ""
   guard: str = "warn"
   guard_view: str = ""

@@ -1,18 +1,20 @@
-"""Hooks of the OPD loop: held-out evaluation, checkpoints, the non-finite policy, fault injection
-(tests only), progress, metric writers (JSONL, TensorBoard) and the params history a warm-up keeps."""
+"""The control hooks of the OPD loop: held-out evaluation, checkpoints, the non-finite policy, fault
+injection (tests only), progress and the params history a warm-up keeps; and `assemble`, the run's hooks
+in their one order (the guards are in opdjax.pipeline.guards, the writers in opdjax.pipeline.writers)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
 import sys
 import time
 
-from opdjax.errors import UserError
 from opdjax.pipeline.checkpoint import RunState
+from opdjax.pipeline.guards import GuardHalt, WindowGuard, run_guards
 from opdjax.pipeline.loop import Hook, Loop
+from opdjax.pipeline.writers import run_writers
+from opdjax.pipeline.writers.base import carried_eval_keys
 from opdjax.views.history import ParamsHistory
 
 
@@ -32,10 +34,8 @@ class EvalHook(Hook):
       loop.pending[0].update(loop.evaluate(step, self.pause))
 
 
-class NonFiniteHalt(UserError):
-  def __init__(self, message: str, records: list[dict]):
-    super().__init__(message)
-    self.records = records
+class NonFiniteHalt(GuardHalt):
+  pass
 
 
 class NonFiniteHook(Hook):
@@ -68,12 +68,10 @@ class FaultHook(Hook):
 class CheckpointHook(Hook):
   """Orbax checkpoint of the whole run (a RunState) every `every` steps, at the end and when a hook
   stops the run (`loop.stop`); the step's record is on disk before the checkpoint that covers it.
-  `guard`, `length_guard`: the run's mismatch and length guards, whose states the checkpoint keeps."""
+  `guards`: the run's guards, whose states (windows) the checkpoint keeps."""
 
-  def __init__(self, checkpointer, every: int, guard=None, fault: FaultHook | None = None, length_guard=None,
-               collapse_guard=None):
-    self.ckpt, self.every, self.guard, self.fault, self.length_guard = checkpointer, every, guard, fault, length_guard
-    self.collapse_guard = collapse_guard
+  def __init__(self, checkpointer, every: int, guards=(), fault: FaultHook | None = None):
+    self.ckpt, self.every, self.guards, self.fault = checkpointer, every, list(guards), fault
 
   def after_step(self, loop: Loop, step: int) -> None:
     if (self.every and step % self.every == 0) or step == loop.steps or loop.stop is not None:
@@ -91,9 +89,7 @@ class CheckpointHook(Hook):
 
   def after_step_save(self, loop: Loop, step: int) -> None:
     loop.flush()
-    run = RunState.of(loop, step, guard=None if self.guard is None else self.guard.state(),
-                      length_guard=None if self.length_guard is None else self.length_guard.state(),
-                      collapse_guard=None if self.collapse_guard is None else self.collapse_guard.state())
+    run = RunState.of(loop, step, **{g.name: g.state() for g in self.guards})
     self.ckpt.save_run(run, metrics=loop.last_eval)
 
   def end(self, loop: Loop) -> None:
@@ -101,71 +97,6 @@ class CheckpointHook(Hook):
 
   def close(self, loop: Loop) -> None:
     self.ckpt.close()
-
-
-class JsonlWriter(Hook):
-  """OUT/metrics.jsonl, one record per step. Resuming at step s keeps the records of steps <= s
-  (a line cut by a crash is dropped), so every step is logged exactly once."""
-
-  def __init__(self, path: str, resume_step: int | None):
-    self.path, self.resume_step, self.file = path, resume_step, None
-
-  def start(self, loop: Loop) -> None:
-    if self.resume_step is not None:
-      kept = []
-      if os.path.exists(self.path):
-        with open(self.path) as f:
-          for line in f:
-            try:
-              rec = json.loads(line)
-            except json.JSONDecodeError:
-              break
-            if rec["step"] > self.resume_step:
-              break
-            kept.append(rec)
-      with open(self.path + ".tmp", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-      os.replace(self.path + ".tmp", self.path)
-    self.file = open(self.path, "a")
-
-  def record(self, loop: Loop, rec: dict) -> None:
-    self.file.write(json.dumps(rec) + "\n")
-    self.file.flush()
-
-  def close(self, loop: Loop) -> None:
-    if self.file is not None:
-      self.file.close()
-
-
-def carried_eval_keys(loop: Loop, rec: dict) -> set[str]:
-  """The held-out keys `rec` carries from an evaluation of an earlier step (metrics.jsonl keeps them,
-  with `eval_step` saying when they were measured); plots and progress lines show a held-out value
-  only at the step it was measured."""
-  if "eval_step" not in rec or rec["eval_step"] == rec["step"]:
-    return set()
-  return set(loop.last_eval or {}) | {"eval_step"}
-
-
-class TensorBoardWriter(Hook):
-  """TensorBoard event files under `logdir` (tensorboardX): every numeric field of every record, by step."""
-
-  def __init__(self, logdir: str):
-    self.logdir, self.writer = logdir, None
-
-  def start(self, loop: Loop) -> None:
-    from tensorboardX import SummaryWriter
-
-    self.writer = SummaryWriter(self.logdir, purge_step=loop.start_step + 1 if loop.start_step else None)
-
-  def record(self, loop: Loop, rec: dict) -> None:
-    stale = carried_eval_keys(loop, rec)
-    for k, v in rec.items():
-      if k != "step" and k not in stale and isinstance(v, (int, float)) and not isinstance(v, bool):
-        self.writer.add_scalar(k, v, rec["step"])
-
-  def close(self, loop: Loop) -> None:
-    if self.writer is not None:
-      self.writer.close()
 
 
 class Progress(Hook):
@@ -210,10 +141,9 @@ class Progress(Hook):
   def record(self, loop: Loop, rec: dict) -> None:
     if not self.enabled or rec["step"] == loop.start_step:
       return
-    for key, who in (("guard_event", "guard"), ("length_guard_event", "length guard"),
-                      ("collapse_guard_event", "collapse guard")):
-      if key in rec:  # a guard acted: always a line of its own
-        line = f"{self.desc}: step {rec['step']}: {who}: {rec[key]}"
+    for g in loop.hooks:
+      if isinstance(g, WindowGuard) and f"{g.name}_event" in rec:  # a guard acted: always a line of its own
+        line = f"{self.desc}: step {rec['step']}: {g.name.replace('_', ' ')}: {rec[f'{g.name}_event']}"
         if self.bar is not None:
           self.bar.write(line, file=self.stream)
         else:
@@ -242,3 +172,18 @@ class HistoryHook(Hook):
 
   def after_step(self, loop: Loop, step: int) -> None:
     self.history.push(step, loop.state.params)
+
+
+def assemble(cfg, out_dir: str, checkpointer, resume_step: int, primary: bool, progress: bool,
+             budget: float | None, guard_states: dict | None = None) -> list[Hook]:
+  """The hooks of `opdjax train` in their one order. The guards come first: they annotate the record the
+  writers write and may stop the run. The checkpoint comes last: it saves a step every other hook has
+  finished, the guards' windows included (`guard_states`: theirs at the checkpoint resumed from). Process 0
+  (`primary`) alone writes files and progress; every process checkpoints (Orbax)."""
+  guards = run_guards(cfg, checkpointer, budget, guard_states)
+  fault = FaultHook()
+  hooks = [*guards, EvalHook(cfg.train.eval_every), fault, *run_writers(cfg, out_dir, resume_step, primary),
+           NonFiniteHook(cfg.train.on_nonfinite, checkpointer)]
+  if primary:
+    hooks.append(Progress("OPD", progress))
+  return hooks + [CheckpointHook(checkpointer, cfg.train.checkpoint_every, guards, fault)]

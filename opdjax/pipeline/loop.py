@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 
@@ -20,7 +21,6 @@ import numpy as np
 
 from opdjax.errors import Interrupted, ServerFailed
 from opdjax.pipeline.async_sampler import AsyncSampler
-from opdjax.pipeline.lengths import with_lengths
 from opdjax.pipeline.overlap import fields as overlap_fields
 from opdjax.pipeline.overlap import generate_side
 from opdjax.pipeline.quiet import ctrl_c_held
@@ -68,7 +68,7 @@ class Loop:
   eval_s: float = 0.0  # seconds spent in held-out evaluation, left out of `wall_s`
   stop: str | None = None
   timed: bool = False
-  sample: Sample | None = None  # the step just dispatched (opdjax.pipeline.telemetry.SamplesHook reads it)
+  sample: Sample | None = None  # the step just dispatched (opdjax.pipeline.writers.samples reads it)
 
   def flush(self) -> None:
     """Reads the pending step's metrics to the host and hands its record to every hook."""
@@ -191,7 +191,7 @@ def run_loop(session: Session, *, view: EngineView | None = None, seed: int | No
       _phase(loop, "rollout", step + 1)
       with ctrl_c_held():  # the update and its record together: an interrupt lands after both or before both
         loop.state, metrics, score = obj(loop.state, sample)
-        score, loop.sample = with_lengths(score, sample.rollout, session.task.eos_ids), sample
+        score, loop.sample = functools.partial(_scored, score, sample.rollout, session.task.eos_ids), sample
         _phase(loop, "step", step + 1)
         loop.flush()  # step t-1's record, after step t is dispatched
         version = sample.rollout.params_version
@@ -240,3 +240,9 @@ def _save_interrupted(loop: Loop, finished: int) -> None:
 def _phase(loop: Loop, name: str, step: int) -> None:
   for h in loop.hooks:
     h.phase(loop, name, step)
+
+
+def _scored(score, rollout, eos_ids) -> dict:
+  """The step's score (Sample.score) with the completions' length and repetition fields (Rollout.lengths):
+  read when the record is flushed, after the next step is dispatched, as the verifier's score is."""
+  return {**score(), **rollout.lengths(eos_ids)}

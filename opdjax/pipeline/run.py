@@ -21,6 +21,7 @@ import threading
 import jax
 
 from opdjax.config.schema import Config, flat
+from opdjax.config.train_section import gone
 from opdjax.errors import Interrupted, UserError
 from opdjax.models.fetch import resolve
 from opdjax.models.hub import read_snapshots
@@ -28,18 +29,17 @@ from opdjax.pipeline import hooks as H
 from opdjax.pipeline.checkpoint import CheckpointUnreadable, RunCheckpointer, RunState
 from opdjax.pipeline.distributed import barrier
 from opdjax.pipeline.export import TOKENIZER_FILES
-from opdjax.pipeline.guard import GuardHook, load_run_budget
+from opdjax.pipeline.guards import load_run_budget
 from opdjax.pipeline.loop import run_loop
 from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
 from opdjax.pipeline.session import Session
-from opdjax.pipeline.telemetry import CollapseGuardHook, LengthGuardHook, SamplesHook
-from opdjax.pipeline.trackers import check_installed, parse_loggers, tracker_hooks
+from opdjax.pipeline.writers import check_installed
 from opdjax.rollout.deploy import check_memory, plan, resolve_servers
 from opdjax.views.view import EngineView
 
 # Keys a resumed run may change: they extend it (more steps) or only observe it.
 RESUMABLE = ("train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.best_metric", "train.tensorboard", "train.loggers", "train.tracker_project",
+             "train.best_metric", "train.loggers", "train.tracker_project",
              "train.log_samples_every", "train.length_guard", "train.length_guard_threshold",
              "train.length_guard_window", "train.collapse_guard", "train.collapse_guard_ratio",
              "train.collapse_guard_window", "rollout.vllm.url", "rollout.vllm.api_key",
@@ -78,7 +78,7 @@ def config_changes(old: dict, new: dict) -> tuple[dict, dict]:
   defaults = flat(Config().to_dict())
   # A key newer than the checkpoint, at its default, is what the run did before the key existed.
   diff = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-          if a.get(k) != b.get(k) and not (k not in a and b.get(k) == defaults.get(k))
+          if a.get(k) != b.get(k) and not gone(k) and not (k not in a and b.get(k) == defaults.get(k))
           and not (k in UNRESOLVED and UNRESOLVED[k] in (a.get(k), b.get(k)))}
   allowed = {k: v for k, v in diff.items() if k in RESUMABLE or k.startswith(tuple(p for p in RESUMABLE
                                                                                    if p.endswith(".")))}
@@ -189,8 +189,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
            progress: bool, budget: float | None, command: str = "") -> TrainResult:
   cfg = session.cfg
   primary = session.placement.primary  # process 0 writes the run's files
-  view, depth, guard_state = EngineView.parse(cfg.rollout.view), cfg.rollout.async_depth, None
-  length_state = collapse_state = None
+  view, depth, guard_states = EngineView.parse(cfg.rollout.view), cfg.rollout.async_depth, None
   state, start, last_eval, history, changes = None, 0, None, None, {}
   if resuming:
     ckpt = RunCheckpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, best_metric=cfg.train.best_metric)
@@ -203,9 +202,9 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
       raise
     start, state, last_eval, history = run.step, run.train, run.last_eval, (run.history_versions, run.history)
     # The sampler as it ran at the checkpoint: the config's view and depth, or where the guard's backoffs took them.
-    view, depth, guard_state = run.view, run.depth, run.guard
-    length_state = run.length_guard  # its window: the resumed run acts where the uninterrupted one would
-    collapse_state = run.collapse_guard
+    view, depth = run.view, run.depth
+    # The guards' windows: the resumed run's guards act where the uninterrupted run's would.
+    guard_states = {"guard": run.guard, "length_guard": run.length_guard, "collapse_guard": run.collapse_guard}
     for k, (a, b) in changes.items():
       print(f"opdjax: resuming with {k} changed: {a!r} -> {b!r}", file=sys.stderr)
   else:
@@ -217,32 +216,7 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
   if primary:
     _append_history(out_dir, cfg, start, changes, resuming)
 
-  guard = None
-  if budget is not None:
-    guard = GuardHook(budget, cfg.train.budget, cfg.train.guard, cfg.train.guard_window,
-                      EngineView.parse(cfg.train.guard_view) if cfg.train.guard_view else None, ckpt, guard_state)
-
-  t = cfg.train
-  length_guard = None if t.length_guard == "off" else LengthGuardHook(
-      t.length_guard, t.length_guard_threshold, t.length_guard_window, ckpt, length_state)
-  collapse_guard = None if t.collapse_guard == "off" else CollapseGuardHook(
-      t.collapse_guard, t.collapse_guard_ratio, t.collapse_guard_window, ckpt, collapse_state)
-  fault = H.FaultHook()
-  hooks = [] if guard is None else [guard]  # first: it annotates the record the writers write
-  hooks += [g for g in (length_guard, collapse_guard) if g is not None]
-  hooks += [H.EvalHook(cfg.train.eval_every), fault, H.JsonlWriter(os.path.join(out_dir, "metrics.jsonl"),
-                                                                    start if resuming else -1)]
-  if cfg.train.tensorboard or "tensorboard" in parse_loggers(t.loggers):
-    hooks.append(H.TensorBoardWriter(os.path.join(out_dir, "tensorboard")))
-  if primary:  # W&B, trackio: process 0 alone
-    hooks += tracker_hooks(t.loggers, out_dir, t.tracker_project, cfg.to_dict())
-  if t.log_samples_every:  # every process (its rows may be others'), process 0 writes
-    hooks.append(SamplesHook(os.path.join(out_dir, "samples.jsonl"), t.log_samples_every,
-                             start if resuming else -1, write=primary))
-  hooks += [H.NonFiniteHook(cfg.train.on_nonfinite, ckpt), H.Progress("OPD", progress),
-            H.CheckpointHook(ckpt, cfg.train.checkpoint_every, guard, fault, length_guard, collapse_guard)]
-  if not primary:  # process 0 alone writes metrics and progress; checkpoints are every process's (Orbax)
-    hooks = [h for h in hooks if not isinstance(h, (H.JsonlWriter, H.TensorBoardWriter, H.Progress))]
+  hooks = H.assemble(cfg, out_dir, ckpt, start if resuming else -1, primary, progress, budget, guard_states)
   if start >= cfg.train.steps:
     ckpt.close()
     loop_records, final_state = [], state

@@ -48,9 +48,9 @@ class RunState:
   async_mode: str
   sampling: dict  # SamplingParams fields
   teacher_view: str
-  guard: dict | None = None  # GuardHook.state() of a run with train.budget
-  length_guard: dict | None = None  # LengthGuardHook.state() (opdjax.pipeline.telemetry): its window
-  collapse_guard: dict | None = None  # CollapseGuardHook.state(): its window and reference
+  guard: dict | None = None  # MismatchGuard.state() of a run with train.budget (opdjax.pipeline.guards)
+  length_guard: dict | None = None  # LengthGuard.state(): its window
+  collapse_guard: dict | None = None  # CollapseGuard.state(): its window and reference
   versions: dict = dataclasses.field(default_factory=dict)  # package versions that wrote it
 
   @classmethod

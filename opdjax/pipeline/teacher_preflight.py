@@ -38,7 +38,7 @@ def preflight(cfg, out_dir: str | None = None, budget_path: str | None = None, s
               progress: bool = True) -> dict:
   """The teacher's admission as a dict (`admitted`, `budget`, one row per server); `session`: the run's (its
   servers started or attached), else one is made here from `cfg` (its servers' logs in `out_dir`)."""
-  from opdjax.pipeline.guard import load_run_budget
+  from opdjax.pipeline.guards import load_run_budget
   from opdjax.pipeline.session import Session
 
   if not cfg.teacher_served:

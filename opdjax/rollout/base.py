@@ -65,11 +65,17 @@ class Rollout:
     return int(jnp.sum(self.completion_mask))
 
   def completions(self) -> list[list[int]]:
-    toks, mask = _host(self.completion_tokens), _host(self.completion_mask)
+    toks, mask = to_host(self.completion_tokens), to_host(self.completion_mask)
     return [[int(t) for t, m in zip(row, mrow) if m] for row, mrow in zip(toks, mask)]
 
+  def lengths(self, eos_ids) -> dict[str, float]:
+    """The completions' length and repetition fields of a step's record (length_fields, repetition_fields)."""
+    toks, mask = to_host(self.completion_tokens), to_host(self.completion_mask)
+    return {**length_fields(toks, mask, self.sampling.max_new_tokens, eos_ids),
+            **repetition_fields(toks, mask, eos_ids)}
 
-def _host(x):
+
+def to_host(x):
   """The whole array on this host; rows other processes hold come through an all-gather (every
   process reads a sharded rollout's completions at the same point of the loop)."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -77,6 +83,47 @@ def _host(x):
 
     return multihost_utils.process_allgather(x, tiled=True)
   return jax.device_get(x)
+
+
+def length_fields(completion_tokens, completion_mask, max_new_tokens: int, eos_ids) -> dict[str, float]:
+  """`completion_len_mean/max` (tokens, EOS included), `truncated_frac` (rows at max_new_tokens without
+  EOS) and `eos_frac` (rows whose last token is an EOS) of one step's completions (host arrays)."""
+  toks, mask = np.asarray(completion_tokens), np.asarray(completion_mask, bool)
+  lengths = mask.sum(-1)
+  last = np.take_along_axis(toks, np.maximum(lengths - 1, 0)[:, None], -1)[:, 0]
+  eos = (lengths > 0) & np.isin(last, np.asarray(list(eos_ids) or [-1]))
+  return {"completion_len_mean": float(lengths.mean()), "completion_len_max": int(lengths.max()),
+          "truncated_frac": float(((lengths >= max_new_tokens) & ~eos).mean()), "eos_frac": float(eos.mean())}
+
+
+def repetition_fields(completion_tokens, completion_mask, eos_ids) -> dict[str, float]:
+  """How repetitive one step's completions are: `distinct_frac`, the share of distinct tokens among all the
+  step's completion tokens (EOS included: a batch of 24 spaces a row or of bare EOS is 1 distinct token in
+  all of them), and `repeat_ngram_frac`, the mean share of a row (EOS left out; rows under 2 tokens count 0)
+  that its longest n-gram occurring twice covers (overlaps count: 24 spaces: 23/24)."""
+  toks, mask = np.asarray(completion_tokens), np.asarray(completion_mask, bool)
+  if not mask.any():
+    return {}
+  eos = np.asarray(list(eos_ids) or [-1])
+  repeat = []
+  for row, m in zip(toks, mask):
+    t = row[m]
+    t = t[~np.isin(t, eos)]
+    repeat.append(_longest_repeat(t) / len(t) if len(t) >= 2 else 0.0)
+  return {"distinct_frac": float(len(np.unique(toks[mask])) / mask.sum()), "repeat_ngram_frac": float(np.mean(repeat))}
+
+
+def _longest_repeat(t: np.ndarray) -> int:
+  """The length of the longest run of tokens that occurs at two positions (overlapping allowed): the
+  longest run of equal tokens between `t` and `t` shifted by d, over every shift d."""
+  best = 0
+  for d in range(1, len(t) - best):
+    eq = np.concatenate([[False], t[d:] == t[:-d], [False]])
+    edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
+    if len(edges):
+      best = max(best, int((edges[1::2] - edges[::2]).max()))
+  return best
+
 
 
 @flax.struct.dataclass

@@ -1,11 +1,10 @@
-"""Experiment trackers of a run (`train.loggers`): W&B and trackio beside metrics.jsonl and TensorBoard.
+"""Experiment trackers of a run (`train.loggers`): W&B and trackio, writers beside metrics.jsonl and TensorBoard.
 
 Every tracker gets every numeric field of every record by step (held-out numbers only at the step they
 were measured), the run's config once, with the commit of the opdjax source that ran (`opdjax_commit`),
-and the sample tables of opdjax.pipeline.telemetry.SamplesHook. metrics.jsonl is always written (resumes
-read it); `tensorboard` is train.tensorboard's event files. Neither W&B nor trackio is a dependency:
-`pip install 'opdjax[trackers]'`; asking for one that is not installed is one error before --out is
-touched. Only process 0 logs. W&B honours its own environment (WANDB_MODE=offline writes the run under
+and the sample tables of opdjax.pipeline.writers.samples.SamplesWriter. Neither W&B nor trackio is a
+dependency: `pip install 'opdjax[trackers]'`; asking for one that is not installed is one error before --out
+is touched. Only process 0 logs. W&B honours its own environment (WANDB_MODE=offline writes the run under
 OUT/wandb/ for `wandb sync`); trackio writes its local store (TRACKIO_DIR, default
 ~/.cache/huggingface/trackio; `trackio show` opens it).
 
@@ -25,8 +24,8 @@ import subprocess
 
 from opdjax.config.train_section import parse_loggers
 from opdjax.errors import UserError
-from opdjax.pipeline.hooks import carried_eval_keys
-from opdjax.pipeline.loop import Hook, Loop
+from opdjax.pipeline.loop import Loop
+from opdjax.pipeline.writers.base import Writer, numeric_fields
 
 PACKAGES = {"wandb": "wandb", "trackio": "trackio"}
 
@@ -42,7 +41,7 @@ def check_installed(spec: str) -> None:
 
 def source_commit() -> str:
   """The git commit of the opdjax source that runs ('+dirty' with uncommitted changes; '' outside a checkout)."""
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  root = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))  # opdjax/pipeline/writers/
   try:
     head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
     if head.returncode:
@@ -66,15 +65,8 @@ def run_identity(out_dir: str) -> str:
   return hashlib.sha1(f"{os.path.abspath(out_dir)}\n{first}".encode()).hexdigest()[:16]
 
 
-def numeric_fields(loop: Loop, rec: dict) -> dict[str, float]:
-  stale = carried_eval_keys(loop, rec)
-  return {k: v for k, v in rec.items() if k != "step" and k not in stale and isinstance(v, (int, float))
-          and not isinstance(v, bool)}
-
-
-class Tracker(Hook):
-  """A tracker run opened at `start` with the config, fed each record, closed at `close`. `table(step, rows)`:
-  a sample table (a list of flat dicts)."""
+class Tracker(Writer):
+  """A tracker run opened at `start` with the config, fed each record, closed at `close`."""
 
   def __init__(self, out_dir: str, project: str, config: dict):
     self.out_dir, self.project = out_dir, project
@@ -84,8 +76,6 @@ class Tracker(Hook):
     self.name = f"{os.path.basename(os.path.abspath(out_dir))}-{self.run_id[:8]}"
     self.config = {**config, "opdjax_commit": source_commit(), "out": os.path.abspath(out_dir)}
     self.run = None
-
-  def table(self, step: int, rows: list[dict]) -> None: ...
 
 
 class WandbWriter(Tracker):
@@ -134,9 +124,3 @@ class TrackioWriter(Tracker):
     if self.run is not None:
       self.trackio.finish()
       self.run = None
-
-
-def tracker_hooks(loggers: str, out_dir: str, project: str, config: dict) -> list[Tracker]:
-  """The W&B / trackio hooks `train.loggers` asks for (jsonl and tensorboard are the run's own writers)."""
-  kinds = {"wandb": WandbWriter, "trackio": TrackioWriter}
-  return [kinds[n](out_dir, project, config) for n in parse_loggers(loggers) if n in kinds]
