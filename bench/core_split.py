@@ -123,6 +123,26 @@ def _result(p: subprocess.Popen) -> dict:
   return json.loads(lines[-1][len(RESULT):])
 
 
+LABELS = {"one_device": "one device", "serial": "devices 0 then 1", "two_threads": "two threads, devices 0 and 1",
+              "one_pinned": "one process pinned to a core", "two_pinned": "two processes pinned apart"}
+
+
+def markdown(res: dict) -> str:
+  """docs/async.md's table and line (and this bench's printout): per case its wall and CPU seconds, the cores it
+  held, its busiest threads; then the parallel speedups."""
+  rows = [[label, f"{c['wall_s']:.2f}", f"{c['cpu_s']:.2f}", f"{c['cpu_per_wall']:.2f}",
+           ", ".join(f"{b:g}" for b in c["busiest_threads_cpu_s"]) if "busiest_threads_cpu_s" in c
+           else "(" + ", ".join(f"{side['cpu_s']:.2f}" for side in c["sides"]) + " a side)"]
+          for case, label in LABELS.items() if (c := res["cases"].get(case))]
+  from opdjax.analyses import reporting  # PYTHONPATH=. as the command runs
+
+  head = [f"case ({'single-thread XLA flags' if res['flags'] else 'XLA defaults'})", "wall s", "CPU s",
+          "CPU s / wall s", "CPU s of the busiest threads"]
+  return (reporting.markdown_table(rows, head) + "\n\nWall-clock parallel speedups:"
+          f" {res['parallel_speedup_two_threads']:.2f} for two threads and {res['parallel_speedup_two_pinned']:.2f}"
+          " for two pinned processes (2 = two cores).")
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--size", type=int, default=512)
@@ -171,9 +191,9 @@ def main(argv=None) -> int:
              "serial_over_one_device": (round(results["serial"]["wall_s"] / results["one_device"]["wall_s"], 3)
                                         if "serial" in results and "one_device" in results else None),
              "parallel_speedup_two_pinned": speedup("one_pinned", "two_pinned"), "cases": results}
-  print(f"load average {summary['loadavg_before']} -> {summary['loadavg_after']}; parallel speedup (2 = two cores):"
-        f" two threads {summary['parallel_speedup_two_threads']}, two pinned processes"
-        f" {summary['parallel_speedup_two_pinned']}")
+  print(f"load average {summary['loadavg_before']} -> {summary['loadavg_after']}")
+  if summary["parallel_speedup_two_threads"] and summary["parallel_speedup_two_pinned"]:
+    print(markdown(summary))
   print(json.dumps({k: v for k, v in summary.items() if k != "cases"}))
   if args.json:
     with open(args.json, "w") as f:

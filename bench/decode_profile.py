@@ -116,6 +116,61 @@ def device_ops(trace: str, top: int = 25) -> dict:
           "ops": [[n, round(ms, 3), counts[n]] for n, ms in sums.most_common(top)], "file": path[0]}
 
 
+def markdown(rep: dict) -> str:
+  """BENCHMARKS.md's table and paragraph (and this bench's printout): each batch's decode step against its
+  memory floor, then where the traced call's kernel time went."""
+  rows = [[str(w["batch"]), f"{w['sampled']['decode_step_ms']:.2f}", f"{w['greedy']['decode_step_ms']:.2f}",
+           f"{w['floor_ms']:.2f}", f"{w['sampled']['x_floor']:.1f}x", f"{w['new_tokens_per_s']:,}"]
+          for w in rep["rows"]]
+  head = ["batch", "decode step, sampled (ms)", "greedy (ms)", "memory floor (ms)", "step / floor",
+          "new tokens/s (sampled call)"]
+  p = rep["profile"]
+  share = ", ".join(f"{g} {ms / p['total_ms']:.0%}" for g, ms in p["groups_ms"].items())
+  return (_common.markdown_table(head, rows) + f"\n\nKernels of the traced call: {p['total_ms']:.1f} ms of GPU kernels"
+          f" for a call of {p['new_tokens']} new tokens at batch {p['batch']} ({p['kernels']:,} kernels, about"
+          f" {_kernels_a_step(p):.0f} a step): {share}.")
+
+
+def _kernels_a_step(profile: dict) -> float:
+  """The traced call's kernels over its forward passes (the prefill and one a new token)."""
+  return profile["kernels"] / (profile["new_tokens"] + 1)
+
+
+def layers_table(runs: dict) -> str:
+  """Two runs of one call, {"scan": rep, "unrolled": rep (`--unroll-layers`)}, side by side."""
+  traced = runs["scan"]["profile"]["new_tokens"]
+  head = ["decoder layers", "decode step, sampled (ms)", "greedy (ms)", "step / floor", "kernels a step",
+          *(f"{k} in the traced call of {traced} tokens (ms)" for k in ("copies", "matmuls", "other")),
+          "the run's wall (s)"]
+  rows = []
+  for v, label in (("scan", "one scan (as shipped)"), ("unrolled", "unrolled (`--unroll-layers`)")):
+    w, p = runs[v]["rows"][0], runs[v]["profile"]
+    g = p["groups_ms"]
+    rows.append([label, f"{w['sampled']['decode_step_ms']:.2f}", f"{w['greedy']['decode_step_ms']:.2f}",
+                 f"{w['sampled']['x_floor']:.1f}x", f"{_kernels_a_step(p):.0f}",
+                 f"{g['copies']:.1f}", f"{g['matmuls']:.1f}", f"{g['other']:.1f}", f"{runs[v]['wall_s']:.0f}"])
+  return _common.markdown_table(head, rows)
+
+
+def floor(suite: dict) -> str:
+  """bench/gpu_suite.py's engine decode step against the bytes it must read each step (every weight once, the KV
+  cache's mean fill) at HBM_COPY_TB_S: how far the step is from memory-bound."""
+  spec = rollout.MODES["gpu"]  # the suite's engine part ran these shapes; its record must name them
+  if rollout.shapes_line(spec) != suite["rollout"]["shapes"]:
+    raise ValueError("gpu_suite.json's rollout shapes are not rollout.MODES['gpu'] any more: compute its floor from"
+                     f" the shapes it ran ({suite['rollout']['shapes']})")
+  weights_gb, kv_gb = weight_bytes(spec) / 1e9, kv_bytes(spec, spec["batch"]) / 1e9
+  bw, new = HBM_COPY_TB_S, spec["new"]
+  floor_ms, step_ms = (weights_gb + kv_gb) / bw, 1e3 * suite["rollout"]["opdjax"]["call_s"] / new
+  fp8_saving = weights_gb / 2 / bw
+  return (f"{step_ms:.2f} ms a decode step (a call over its {new} new tokens, prefill included), against a"
+          f" memory floor of {floor_ms:.2f} ms: {weights_gb:.2f} GB of bf16 weights ({param_count(spec) / 1e6:.0f}M"
+          f" parameters) and on average {kv_gb:.2f} GB of KV cache ({spec['batch']} rows, {spec['prompt']} + {new}/2"
+          f" positions) read once at {bw} TB/s, {step_ms / floor_ms:.1f}x off it. FP8 weights save at most"
+          f" {fp8_saving:.2f} ms of that step ({fp8_saving / step_ms:.0%}); the measured W8A8 engine ran at"
+          f" {suite['engine_decode']['fp8_w8a8_speedup']:.2f}x bf16")
+
+
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--mode", choices=sorted(rollout.MODES), default="cpu")
@@ -182,6 +237,8 @@ def main() -> int:
     json.dump(rep, f, indent=1)
   for name, ms, count in prof.get("ops", []):
     print(f"{ms:10.3f} ms {count:7d}x  {name[:110]}")
+  if "total_ms" in prof:  # a trace was found
+    print(markdown(rep))
   print(json.dumps(rep))
   return 0
 

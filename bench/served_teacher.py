@@ -163,6 +163,31 @@ def summarise(runs: list[dict]) -> dict:
           "steps_timed": {s: sum(len(r["step_s"]) for r in rs) for s, rs in by.items()}}
 
 
+def markdown(res: dict) -> str:
+  """Per workload, the teacher in the trainer vs served (medians over ABAB rounds): BENCHMARKS.md's table and
+  this bench's printout."""
+  mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
+  head = ["workload", "s/step in trainer", "s/step served", "step_time_ratio", "trainer MiB in trainer",
+          "trainer MiB served", "trainer_memory_ratio", "teacher params MiB", "peak RSS ratio", "server peak RSS MiB",
+          "steps timed", "load"]
+  rows = []
+  for name, w in res["workloads"].items():
+    loads = [x for run in w["runs"] for x in run["load"]]
+    noise = " (noise)" if w["step_time_noise"] else ""
+    rows.append([name, f"{w['step_s']['trainer']:.3f}", f"{w['step_s']['vllm']:.3f}",
+                 f"**{w['step_time_ratio']:.2f}**{noise}", mib(w["trainer_bytes"]["trainer"]),
+                 mib(w["trainer_bytes"]["vllm"]), f"**{w['trainer_memory_ratio']:.3f}**",
+                 mib(w["teacher_param_bytes"]), f"{w['trainer_rss_ratio']:.3f}", f"{w['server_peak_rss'] / 2**20:.0f}",
+                 f"{w['steps_timed']['trainer']} + {w['steps_timed']['vllm']}", f"{min(loads):.1f}-{max(loads):.1f}"])
+  la = res["load_average"]
+  under = (f"Measured under load (1-minute load average {la['runs_min_max'][0]:.1f}-{la['runs_min_max'][1]:.1f} on"
+           f" {la['cores']} cores, other jobs running): the step times are not this box's speed, and a ratio marked"
+           " (noise) is within the spread of the trainer side's own rounds (of its steps, with one round)."
+           if res["measured_under_load"] else
+           f"Load average {la['runs_min_max'][0]:.1f}-{la['runs_min_max'][1]:.1f} on {la['cores']} cores.")
+  return "\n".join([_common.markdown_table(head, rows), "", under])
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", help="write the JSON result here (it is also printed, last line)")
@@ -198,12 +223,7 @@ def main():
   # Other jobs wanting more than half the cores stretch the wall clock of both sides, unevenly.
   result["measured_under_load"] = max(seen) > 0.5 * os.cpu_count()
   result["wall_s"] = round(time.time() - t0, 1)
-  for name, w in result["workloads"].items():
-    print(f"{name}: step {w['step_s']['trainer']:.3f} s (teacher in the trainer) vs {w['step_s']['vllm']:.3f} s"
-          f" (served): step_time_ratio {w['step_time_ratio']:.2f}{' (within noise)' if w['step_time_noise'] else ''};"
-          f" trainer bytes {w['trainer_bytes']['trainer'] / 2**20:.1f} vs {w['trainer_bytes']['vllm'] / 2**20:.1f} MiB:"
-          f" trainer_memory_ratio {w['trainer_memory_ratio']:.3f}; peak RSS ratio {w['trainer_rss_ratio']:.3f};"
-          f" server peak RSS {w['server_peak_rss'] / 2**20:.0f} MiB")
+  print(markdown(result))
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=1)

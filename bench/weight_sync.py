@@ -33,7 +33,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.join(ROOT, "scripts")]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 GB = 1e9
@@ -177,6 +177,63 @@ def run_model(name, cfg, params, engine, reps: int, root: str) -> dict:
   return out
 
 
+def _qwen_export(res: dict) -> str:
+  """The Qwen3-shaped model's export speedup, with the trainer's probe score when it ran export only."""
+  q, qp = res.get("qwen_export_speedup"), res.get("qwen_export_speedup_with_probe")
+  if not q:
+    return ""
+  return f"{qp:.2f}x with the trainer's probe score ({q:.2f}x without it)" if qp else f"{q:.2f}x"
+
+
+def headline(res: dict) -> str:
+  q = _qwen_export(res)
+  return (f"SmolLM2 update with its reload probe, today's path / shard-wise bf16: **{res['speedup_with_probe']:.2f}x**"
+          f" (probe {res['probe_s']:.3f} s; {res['speedup']:.2f}x without it)"
+          + (f"; Qwen3-1.7B-shaped export: {q}" if q else ""))
+
+
+def line(res: dict) -> str:
+  """docs/guide.md's sentence."""
+  q = _qwen_export(res)
+  return (f"a SmolLM2 update with its reload probe {res['speedup_with_probe']:.2f}x the speed of the fp32 whole-model"
+          f" path (probe {res['probe_s']:.2f} s, {res['speedup']:.2f}x without it; vLLM's own reload,"
+          f" {res['models'][0]['new_reload_s']:.2f} s, does not shrink)"
+          + (f", the export of a Qwen3-1.7B-shaped model {q}" if q else ""))
+
+
+def markdown(res: dict) -> str:
+  """BENCHMARKS.md's section and this bench's printout: the headline, then per model today's path and the
+  shard-wise one with its reload probe (medians), then where the time goes."""
+  gb = 1e9
+  rows = []
+  for m in res["models"]:
+    for side in ("today", "new"):
+      nb, exp, rel = m[f"{side}_bytes"], m[f"{side}_export_s"], m[f"{side}_reload_s"]
+      probe = m["probe_s"] if side == "new" else 0.0
+      total = exp + rel + probe
+      rows.append([m["name"], "fp32 save_hf_params" if side == "today" else "bf16 shard-wise + probe",
+                   f"{nb / gb:.3f}", f"{exp:.3f}", f"{nb / exp / gb:.2f}", f"{rel:.3f}" if m["server"] else "-",
+                   f"{probe:.3f}" if side == "new" else "-", f"{total:.3f}",
+                   f"**{m['today_s'] / total:.2f}x**" if side == "new" else "1"])
+  head = ["model", "path", "GB", "export s", "export GB/s", "reload s", "probe s", "update s", "speedup"]
+  s, la = res["models"][0], res["load_average"]
+  notes = [f"- memory copy {res['copy_gbps']:.2f} GB/s, write into /dev/shm {res['shm_write_gbps']:.2f} GB/s (same run,"
+           " best of 5, 512 MiB): an export's physical limits on one host.",
+           f"- {s['name']}: the probe costs {s['probe_s']:.3f} s of the update (median): the trainer's score,"
+           " dispatched with the export, runs while the server reloads and is read after it, then every server"
+           f" answers. Alone after the update: the trainer's score {s['probe_trainer_s']:.3f} s, the server's answer"
+           f" {s['probe_server_s']:.3f} s; max |server - trainer| over the runs {s['probe_max_abs']:.3f} (bf16"
+           " server).",
+           f"- {s['name']}, reload split: pause + resume {s['today_control_s']:.3f} / {s['new_control_s']:.3f} s,"
+           f" the reload RPC and prefix-cache reset {s['today_rpc_s']:.3f} s (fp32 file) / {s['new_rpc_s']:.3f} s"
+           " (bf16 file).",
+           *(f"- {m['name']}, new export split: re-layout (cast, transpose, all-to-all) {m['new_relayout_s']:.3f} s,"
+             f" write {m['new_write_s']:.3f} s." for m in res["models"]),
+           f"- load average {la['start'][0]:.1f} at the start, {la['end'][0]:.1f} at the end ({la['cores']} cores);"
+           f" median of {res['reps']} updates a path after a warm-up.", *(f"- {x}" for x in res["skipped"])]
+  return "\n".join([headline(res), "", _common.markdown_table(head, rows), "", *notes])
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--reps", type=int, default=3)
@@ -251,10 +308,7 @@ def main():
       "load_average": {"start": [round(x, 2) for x in load0], "end": [round(x, 2) for x in os.getloadavg()],
                        "cores": os.cpu_count()},
       "wall_s": round(time.time() - t0, 1)})
-  from docs_render.pages.benchmarks import weight_sync_headline, weight_sync_table  # BENCHMARKS.md's renderers
-
-  print(weight_sync_table({"result": result}))
-  print(weight_sync_headline({"result": result}))
+  print(markdown(result))
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=1)

@@ -74,8 +74,49 @@ def main(argv=None) -> int:
   reporting.write_text(os.path.join(args.out, "compare.md"), reporting.markdown_table(rows) + "\n")
   for metric, name in (("accuracy", "curves.png"), ("grad_norm", "grad_norm.png")):
     plot(result, os.path.join(args.out, name), metric)
-  print(reporting.markdown_table(rows))
+  print(markdown(result) + ("\n\n" + counts(result) if set(algos) >= {"opd", "grpo"} else ""))
   return 0
+
+
+def _runs(part: dict, algo: str, view: str) -> list[dict]:
+  return sorted((x for x in part["rows"] if x["algo"] == algo and x["view"] == view), key=lambda x: x["seed"])
+
+
+def start_accuracy(part: dict) -> float:
+  """The held-out accuracy every run starts from (its step-0 evaluation: the SFT student)."""
+  evals = ([r for r in recs if r.get("eval_step", 0) == r["step"]] for recs in part["runs"].values())
+  return float(np.median([e[0]["accuracy"] for e in evals]))
+
+
+def markdown(part: dict) -> str:
+  """One row a view (its mismatch: the engine's k3 KL a token averaged over a run's steps, the median of the first
+  algorithm's runs), per algorithm each seed's final accuracy, grad-norm spikes and collapse: docs/admission.md's
+  tables and this script's printout."""
+  cols = lambda xs, k, f="{:.3f}": ", ".join(f.format(x[k]) for x in xs)  # noqa: E731
+  rows = []
+  for view in part["views"]:
+    by = [_runs(part, a, view) for a in part["algos"]]
+    mismatch = np.median([x["train_mismatch_kl_k3"] for x in by[0]])
+    rows.append([f"{view} ({mismatch:.2g})"] + [c for xs in by for c in (
+        cols(xs, "final_accuracy"), cols(xs, "grad_norm_spikes", "{}"),
+        ", ".join("**yes**" if x["collapsed"] else "no" for x in xs))])
+  head = [f"{a.upper()} {c}" for a in part["algos"] for c in ("final accuracy", "spikes", "collapsed")]
+  return reporting.markdown_table(rows, ["view (mismatch)", *head])
+
+
+def counts(part: dict) -> str:
+  """OPD's lowest final accuracy and its collapses; GRPO's runs that ended below the start, its collapses, and
+  the views where it spiked most."""
+  start = start_accuracy(part)
+  opd, grpo = ([x for x in part["rows"] if x["algo"] == a] for a in ("opd", "grpo"))
+  below = [x for x in grpo if x["final_accuracy"] < start]
+  worst = max(grpo, key=lambda x: x["grad_norm_spikes"])
+  return (f"OPD ended at accuracy {min(x['final_accuracy'] for x in opd):.3f} or above in all {len(opd)} runs and"
+          f" collapsed in {sum(x['collapsed'] for x in opd)}; GRPO ended below the start ({start:.3f}) in {len(below)}"
+          f" of {len(grpo)} runs ({', '.join(sorted({x['view'] for x in below})) or 'none'}) and collapsed in"
+          f" {sum(x['collapsed'] for x in grpo)}; its most spikes were {worst['grad_norm_spikes']} of"
+          f" {part['steps']} steps ({worst['view']}), against at most {max(x['grad_norm_spikes'] for x in opd)} for"
+          " OPD")
 
 
 def plot(result: dict, path: str, metric: str = "accuracy") -> str:

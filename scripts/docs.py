@@ -1,34 +1,21 @@
 """Figures in README.md, BENCHMARKS.md and docs/*.md, rendered from the result files their commands wrote.
 
-A figure lives between marker comments, inline or as a block of lines:
+A figure is a whole table or paragraph between marker comments, `<!-- docs.py:NAME.VIEW -->` and
+`<!-- /docs.py:NAME.VIEW -->`: NAME a result file (docs/results/NAME.json: the command, commit, machine, date and
+what it measured, signed with a `digest`), VIEW one of its renderers, most of them the command's own (its report:
+scripts/docs_render/pages/, a module a page); `NAME.provenance` works for every NAME.
 
-  held-out reverse KL <!-- docs.py:demo.line -->**8.086 -> 0.1181** ...<!-- /docs.py:demo.line -->
-
-`demo` names a result file (docs/results/demo.json: the command, commit, machine, date and what it
-measured) and `line` one of its renderers (the registry: scripts/docs_render/, a module a page); `NAME.provenance`
-works for every NAME.
-
-  python scripts/docs.py --check                    # every block equals its rendering, every PNG its
-                                                    # drawing, no number outside markers (CI)
+  python scripts/docs.py --check                    # every block equals its rendering, every PNG its drawing, every
+                                                    # digest its file, no number outside markers (CI)
   python scripts/docs.py --check --demo-run DIR     # ... and the README's demo line equals that run's
-  python scripts/docs.py --refresh NAME [--from DIR]  # rerun NAME's command (or read DIR), rewrite
-                                                       # its result file, its PNGs and the docs
+  python scripts/docs.py --render                   # rewrite every block and PNG from the result files
+  python scripts/docs.py --refresh NAME [--from DIR]  # rerun NAME's command (or read DIR, a folder `--record`
+                                                       # signed), rewrite its result file, its PNGs and the docs
   python scripts/docs.py --record NAME --into DIR   # run NAME's command into DIR with its signed record
                                                     # (on the machine that measures, e.g. the lent GPU)
-
-`--from DIR` takes only a folder `--record` wrote (DIR/opdjax_record.json: the command, commit, worktree, machine,
-date, a sha256 of every file, a digest over it all) and copies that provenance; any other folder is refused.
-  python scripts/docs.py --render                   # rewrite every block from the result files
   python scripts/docs.py --list                     # the registry
 
-Every result file carries a `digest` its writer (`--refresh`, through `reporting.record_digest`) computed over
-its content; --check recomputes it, so a hand edit fails naming the file. Past measurements that are no
-longer today's figures live in docs/history.md, unrendered.
-
-A PNG in docs/figures is drawn from its result file (a Figure's `images`) by --refresh and --render, carries
-the digest of the data it was drawn from, and --check compares it with a re-drawing; a PNG no result file
-draws fails --check. A number in the docs outside the markers and outside code fails --check
-(scripts/docs_render/numbers.py). How to add a figure: docs/CONTRIBUTING.md.
+Past measurements live in docs/history.md, unrendered. How to add a figure: docs/CONTRIBUTING.md.
 """
 
 from __future__ import annotations

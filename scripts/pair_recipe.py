@@ -33,6 +33,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEASURES = {"reverse_kl": -1, "teacher_nll": -1, "teacher_f1": +1}  # the direction of getting closer
+LABELS = {"reverse_kl": "held-out reverse KL, own samples", "teacher_nll": "NLL on the teacher's answers",
+          "teacher_f1": "token F1 against the teacher"}
 SIGNALS = ("entropy", "distinct_frac", "repeat_ngram_frac", "completion_len_mean", "eos_frac")
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
@@ -95,6 +97,42 @@ def read_seed(folder: str) -> dict:
                                         for s in last]}
 
 
+def closer(changes: dict) -> dict[str, bool]:
+  """Per measure: its 95% interval of the change across seeds lies on the side of getting closer."""
+  return {k: (changes[k]["high"] < 0 if d < 0 else changes[k]["low"] > 0) for k, d in MEASURES.items()}
+
+
+def _events(res: dict, guard: str) -> int:
+  """The `guard` guard's events over every seed. The verdict's collapse signal is the collapse guard's: the length
+  guard's events say completions hit rollout.max_new_tokens, as the teacher's own answers do at this cap."""
+  return sum(e["event"].startswith("collapse") == (guard == "collapse") for run in res["runs"].values()
+             for e in run["events"])
+
+
+def markdown(res: dict) -> str:
+  """The README's paragraph and table (and this script's printout), the verdict derived again from the intervals:
+  closer on a measure when its interval excludes no change; the run as a whole, on all three with no collapse."""
+  from opdjax.analyses import reporting
+
+  ok, collapses = closer(res["changes"]), _events(res, "collapse")
+  shown, missing = ([LABELS[k] for k, v in ok.items() if v == want] for want in (True, False))
+  verdict = ("closer on all three measures, no collapse event" if not missing and not collapses else
+             f"closer on {', '.join(shown) or 'no measure'}; not shown on {', '.join(missing) or 'none'} (95% interval"
+             f" across seeds includes no change); {collapses} collapse event(s)")
+  rows = []
+  for k, label in LABELS.items():
+    first, last = ([run["curve"][i][k] for run in res["runs"].values()] for i in (0, -1))
+    c = res["changes"][k]
+    rows.append([label, f"{sum(first) / len(first):.3f}", f"{sum(last) / len(last):.3f}",
+                 f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]", "closer" if ok[k] else "not shown"])
+  rows += [[f"{g} guard events (all seeds)", "", "", str(n), "fired" if n else "none"]
+           for g, n in ((g, _events(res, g)) for g in ("collapse", "length"))]
+  step0 = next(iter(res["runs"].values()))["curve"][0]["step"]
+  return (f"Over {len(res['runs'])} seeds: {verdict}.\n\n" + reporting.markdown_table(
+      rows, ["measure (mean of seeds)", f"step {step0}", f"step {res['settings']['train.steps']}",
+             "change, 95% interval across seeds", "verdict"]))
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", required=True)
@@ -115,11 +153,9 @@ def main(argv=None) -> int:
   run_seeds(args.out, seeds, args.set, jobs)
   runs = {s: read_seed(os.path.join(args.out, f"seed{s}")) for s in seeds}
   changes = {k: interval([runs[s]["change"][k] for s in seeds]) for k in MEASURES}
-  closer = {k: (iv["high"] < 0 if d < 0 else iv["low"] > 0) for (k, d), iv in zip(MEASURES.items(), changes.values())}
+  ok = closer(changes)
   events = sum(len(r["events"]) for r in runs.values())
-  # The verdict's collapse signal is the collapse guard's: the length guard's events say completions hit
-  # rollout.max_new_tokens, as the teacher's own answers do at this cap (the docs page counts the same way).
-  collapse = sum(e["event"].startswith("collapse") for r in runs.values() for e in r["events"])
+  collapse = _events({"runs": runs}, "collapse")
   config = json.load(open(os.path.join(args.out, f"seed{seeds[0]}", "config.json")))
   result = {
       "settings": {"config": "configs/smollm2_opd.py", "overrides": args.set, "seeds": seeds,
@@ -128,16 +164,16 @@ def main(argv=None) -> int:
                    "train.steps": config["train"]["steps"], "rollout.batch_size": config["rollout"]["batch_size"],
                    "rollout.max_new_tokens": config["rollout"]["max_new_tokens"],
                    "task.num_eval": config["task"]["num_eval"]},
-      "runs": {str(s): r for s, r in runs.items()}, "changes": changes, "closer": closer, "events": events,
+      "runs": {str(s): r for s, r in runs.items()}, "changes": changes, "closer": ok, "events": events,
       "collapse_events": collapse,
-      "verdict": "closer" if all(closer.values()) and not collapse else "not shown",
+      "verdict": "closer" if all(ok.values()) and not collapse else "not shown",
       "wall_s": round(time.time() - t0, 1), "load_average": {"start": round(load0, 1),
                                                              "end": round(os.getloadavg()[0], 1)},
       "commit": commit + ("+modified" if dirty else ""), "date": time.strftime("%Y-%m-%d"),
   }
   with open(os.path.join(args.out, "pair_recipe.json"), "w") as f:
     json.dump(result, f, indent=1)
-  print(json.dumps({k: result[k] for k in ("changes", "closer", "events", "verdict", "wall_s")}, indent=1))
+  print(markdown(result))
   return 0
 
 

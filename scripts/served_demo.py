@@ -43,6 +43,17 @@ def run(kind: str, folder: str, steps: int | None, eval_every: int) -> dict:
           "curve": [[r["step"], r["reverse_kl"]] for r in evals]}
 
 
+def markdown(result: dict) -> str:
+  """docs/served_teacher.md's table (and this script's printout): each loss kind run to the end."""
+  from opdjax.analyses import reporting
+
+  rows = [[f"`{x['kind']}`", str(x["steps"]), f"{x['reverse_kl_first']:.3f} -> {x['reverse_kl_last']:.3f}",
+           f"{x['reverse_kl_drop']:.1f}x", f"{x['accuracy_first']:.3f} -> {x['accuracy_last']:.3f}",
+           f"{x['seconds']:.0f}"] for x in result["runs"]]
+  return reporting.markdown_table(rows, ["loss.kind", "steps", "held-out reverse KL", "down", "held-out accuracy",
+                                         "wall seconds (a box shared with other jobs)"])
+
+
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"runs": runs}, f, indent=1)
-  for r in runs:
-    print(f"{r['kind']}: held-out reverse KL {r['reverse_kl_first']:.4f} -> {r['reverse_kl_last']:.4f}"
-          f" ({r['reverse_kl_drop']:.1f}x), accuracy {r['accuracy_first']} -> {r['accuracy_last']},"
-          f" {r['steps']} steps, {r['seconds']:.0f} s")
+  print(markdown({"runs": runs}))
   return 0
 
 

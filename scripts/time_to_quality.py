@@ -512,10 +512,12 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   reporting.write_json(os.path.join(args.out, "time_to_quality.json"), result)
   plot(runs, os.path.join(args.out, "time_to_quality.png"))
-  h = result["speedup_async_k1_vs_best_sync"] or {}
-  print(f"speedup_async_k1_vs_best_sync {h.get('median')} ({h.get('async')} vs {h.get('against')}, seeds"
-        f" {h.get('per_seed')}, physical bound {h.get('physical_bound')}); flagged runs {len(result['flagged_runs'])};"
-        f" {result['wall_s_total']:.0f} s; wrote {args.out}/time_to_quality.json and .png")
+  import ttq_report  # scripts/: the renderers the docs use too
+
+  if (result["speedup_async_k1_vs_best_sync"] or {}).get("median") is not None:
+    print(ttq_report.summary(result), ttq_report.table(result), sep="\n\n")
+  print(f"flagged runs {len(result['flagged_runs'])}; {result['wall_s_total']:.0f} s; wrote"
+        f" {args.out}/time_to_quality.json and .png")
   return 0
 
 

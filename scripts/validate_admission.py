@@ -94,8 +94,31 @@ def main(argv=None) -> int:
   reporting.write_json(os.path.join(args.out, "validation.json"), result)
   reporting.write_text(os.path.join(args.out, "validation.md"), reporting.markdown_table(rows) + "\n")
   plot(budget, rows, os.path.join(args.out, "validation.png"))
-  print(f"\nverdicts agreeing with trained quality: {result['agree']}/{result['total']}")
+  print(markdown({"budget": budget, "validation": result}))
   return 0
+
+
+def markdown(res: dict) -> str:
+  """docs/admission.md's validation (and this script's last printout), from {"budget": budget.json, "validation":
+  validation.json}: the time it took, one row a candidate, then the study's rule for claim 5 on these candidates
+  (agreement against accept-all and reject-all)."""
+  from opdjax.analyses import verdicts  # scipy: imported where it is needed
+
+  rows = res["validation"]["rows"]
+  admit, train = [v["admit_s"] for v in rows], [v["train_s"] for v in rows]
+  table = [[v["name"], v["verdict"], f"{v['reverse_kl_median']:.3g} ({', '.join(f'{x:.3g}' for x in v['reverse_kl'])})",
+            f"{v['accuracy_median']:.3g}", "yes" if v["quality_ok"] else "no",
+            "yes" if v["agrees"] else "**no** (" + ("too strict" if v["verdict"] == "reject" else "false accept") + ")"]
+           for v in rows]
+  rule = verdicts.admission_vs_trivial(rows, budget_trusted=not res["budget"].get("warning"))
+  ev = rule.evidence
+  return (f"{sum(train) / 60:.1f} minutes of training; admission took {min(admit):.2g}-{max(admit):.2g} s per candidate"
+          f" against {min(train):.0f}-{max(train):.0f} s of training per candidate.\n\n"
+          + reporting.markdown_table(table, ["candidate", "verdict", "reverse KL median (seeds)", "accuracy median",
+                                             "quality within tolerance", "verdict right"])
+          + f"\n\n{ev['agree']} of {ev['total']} verdicts agree with the trained quality; accepting every candidate"
+          f" would agree on {ev['accept_all']}, rejecting every one on {ev['reject_all']}; false accepts:"
+          f" {', '.join(ev['false_accepts']) or 'none'}. The rule of claim 5: **{rule.outcome}** ({rule.reason}).")
 
 
 def plot(budget, rows, path):

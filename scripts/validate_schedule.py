@@ -102,6 +102,31 @@ def rows_of(runs: dict) -> list[dict]:
   return rows
 
 
+def markdown(res: dict) -> str:
+  """docs/async.md's table (and this script's printout): per layout, the step predicted from another run's costs
+  against the measured one, beside the trivial predictor (the source run's measured step as it is)."""
+  from opdjax.analyses import reporting
+
+  pct = lambda x: f"{100 * x:+.0f}%"  # noqa: E731
+  head = ["layout", "costs from", "predicted ms/step", "measured ms/step (repeats)", "error",
+          "source's step as is", "overlap efficiency", "1-min load"]
+  rows = []
+  for x in res["rows"]:
+    reps = ", ".join(f"{1e3 * v:.1f}" for v in x.get("measured_step_s_repeats", [x["measured_step_s"]]))
+    rows.append([x["layout"], x["costs_from"], f"{1e3 * x['predicted_step_s']:.1f}",
+                 f"{1e3 * x['measured_step_s']:.1f} ({reps})", f"**{pct(x['error'])}**", pct(x["baseline_error"]),
+                 f"{x['overlap_efficiency']:.2f}", f"{min(x['load_1min']):.1f}-{max(x['load_1min']):.1f}"])
+  beats = sum(abs(x["error"]) < abs(x["baseline_error"]) for x in res["rows"])
+  worst = max(res["rows"], key=lambda x: abs(x["error"]))
+  steps = res["steps"] if isinstance(res["steps"], dict) else {"jax": res["steps"]}
+  summary = (f"{len(res['rows'])} layouts, {', '.join(f'{n} steps ({e} engine)' for e, n in steps.items())}"
+             f" x {res.get('repeats', 1)} repeats each after"
+             f" {res['warmup']} warm-up steps a depth ({res['config']}, {res['cpu_count']} cores); largest error"
+             f" {pct(worst['error'])} ({worst['layout']}); the algebra beats the source's step as is in {beats} of"
+             f" {len(res['rows'])}.")
+  return "\n".join([reporting.markdown_table(rows, head), "", summary])
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", required=True)
@@ -164,10 +189,7 @@ def main(argv=None) -> int:
             "cpu_count": os.cpu_count(), "wall_s": round(time.time() - t0, 1)}
   os.makedirs(args.out, exist_ok=True)
   path = reporting.write_json(os.path.join(args.out, "schedule_validation.json"), result)
-  for r in rows:
-    print(f"{r['layout']} <- {r['costs_from']}: predicted {1e3 * r['predicted_step_s']:.1f} ms, measured"
-          f" {1e3 * r['measured_step_s']:.1f} ms ({100 * r['error']:+.0f}%; the source's step as is"
-          f" {100 * r['baseline_error']:+.0f}%)")
+  print(markdown(result))
   print(f"wrote {path}")
   return 0
 

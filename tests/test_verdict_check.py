@@ -9,6 +9,7 @@ import pytest
 from test_docs import ROOT, _copy, docs  # docs.py loaded once, scripts/ on the path
 
 # isort: split
+import reproduce_report
 from docs_render import verdict_check
 from docs_render.pages import reproduction as page
 
@@ -61,7 +62,8 @@ def test_a_stale_verdict_fails_unless_marked_superseded_and_the_page_shows_both_
   (num, was, now), = rederive.stale(r["result"])
   assert num == "4" and was == "does not hold" and now != was
   date = r["result"]["date"][:10]
-  assert page.label(r, num) == f"superseded (recorded does not hold on {date}; today's rule on its evidence: {now})"
+  shown = reproduce_report.label(r["result"], num)
+  assert shown == f"superseded (recorded does not hold on {date}; today's rule on its evidence: {now})"
   assert any("marked superseded, but today's rule gives every recorded verdict" in e
              for e in verdict_check.check(ROOT))
 

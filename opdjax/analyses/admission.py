@@ -384,9 +384,9 @@ def report(result: dict) -> str:
     cols = ["name", "view", "mismatch", "ci_low", "ci_high", "verdict", "kv_tokens_ratio", "weight_gib", "seconds"]
     head = (f"budget {result['budget']:.4g} (exact KL per token); accept when the {100 * result['confidence']:.0f}%"
             f" upper bound is within it; KV capacity at {result['memory_gib']} GiB")
-    return head + "\n" + reporting.markdown_table(result["candidates"], cols)
-  fit = result["fit"]
-  rows = [{"view": p["view"], "mismatch": p["mismatch"],
+    return head + "\n\n" + reporting.markdown_table(result["candidates"], cols)
+  fit, ci = result["fit"], lambda p: " ({:.2g}-{:.2g})".format(*p["mismatch_ci"]) * (p["mismatch_ci"][1] > 0)
+  rows = [{"view": p["view"], "mismatch (95% CI)": f"{p['mismatch']:.4g}{ci(p)}",
            **{m: f"{np.median(p[m]):.4f} (seeds {', '.join(f'{x:.3f}' for x in p[m])})" for m in fit["metrics"]},
            **{f"loss_{m}": p["quality_loss"][m] for m in fit["metrics"]}, "pass": p["pass"]} for p in result["points"]]
   set_by = fit.get("tolerance_set_by", {})  # budgets of before the power rule's record have none

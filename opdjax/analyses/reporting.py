@@ -70,10 +70,12 @@ def _cell(v) -> str:
   return str(v)
 
 
-def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
+def markdown_table(rows: Sequence[dict | Sequence], columns: Sequence[str] | None = None) -> str:
+  """Rows as dicts (cells by column name) or as lists of cells in the order of `columns`."""
   columns = list(columns or (rows[0].keys() if rows else []))
   lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-  lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+  lines += ["| " + " | ".join(_cell(x) for x in (r if not isinstance(r, dict) else [r.get(c, "") for c in columns]))
+            + " |" for r in rows]
   return "\n".join(lines)
 
 

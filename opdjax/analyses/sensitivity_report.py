@@ -4,6 +4,7 @@ and the terminal summary."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import numpy as np
@@ -16,8 +17,64 @@ def _short(p: str) -> str:
   return p.replace(":channel", "")
 
 
+def _label(p: str) -> str:
+  return _short(p).replace("noise:", "noise ")
+
+
+def _layers(ids: list[int]) -> str:
+  return " ".join(map(str, ids)) or "-"
+
+
+def summary(results: dict) -> str:
+  """The run, the rankings (the ten most sensitive, the least), the recipe against the same-memory baselines on the
+  tokens that chose it and on held-out prompts, the KL curve over k, the formats against each other: the head of
+  the command's sensitivity.md and docs/sensitivity.md's section of one model."""
+  s, rec, base = results, results["recipe"], results["baselines"]
+  held = s["heldout"] or {"num_prompts": 0, "num_tokens": 0, **{f"{k}_kl": float("nan") for k in ("recipe", "edge",
+                                                                                                  "random")}}
+  ranking = []
+  for scope, key in (("layers", "layer"), ("kinds", "kind")):
+    for p in s["settings"]["perturbations"]:
+      order = sorted(((e[key], e[p]) for e in s[scope]), key=lambda t: (-t[1], str(t[0])))
+      shown = ", ".join(f"{n} ({kl:.2g})" for n, kl in order[:10])
+      ranking.append([f"{scope}, {_label(p)}", shown + (f" ... least: {order[-1][0]} ({order[-1][1]:.2g})"
+                                                        if len(order) > 10 else "")])
+  rel = lambda kl: f" ({kl / rec['measured_kl'] - 1:+.0%})"  # noqa: E731
+  recipe = [["sensitivity recipe", _layers(rec["bf16_layers"]),
+             f"**{rec['measured_kl']:.3g}** (target {'met' if rec['target_met'] else 'missed'})",
+             f"**{held['recipe_kl']:.3g}**"],
+            ["edge layers", _layers(base["edge"]["bf16_layers"]), f"{base['edge']['kl']:.3g}{rel(base['edge']['kl'])}",
+             f"{held['edge_kl']:.3g}"],
+            [f"random (mean of {len(base['random']['kls'])})", "", f"{base['random']['kl']:.3g}"
+             f"{rel(base['random']['kl'])}", f"{held['random_kl']:.3g}"],
+            ["all layers quantized (k = 0) / all bf16", "", f"{rec['kl_all_quantized']:.3g} / {rec['kl_all_bf16']:.2g}",
+             ""]]
+  ref = rec["format"]
+  geo = lambda p: math.exp(sum(math.log(e[p] / e[ref]) for e in s["layers"]) / len(s["layers"]))  # noqa: E731
+  ratios = ", ".join(f"{_label(p)} {geo(p):.2g}x" for p in s["settings"]["perturbations"] if p != ref)
+  agree = ", ".join(f"{_label(p)} {x:.2f}" for p, x in s["format_agreement"].items())
+  inside = 1 - rec["measured_kl"] / base["edge"]["kl"]
+  out = (f" and {1 - held['recipe_kl'] / held['edge_kl']:.0%} below on {held['num_prompts']} held-out prompts"
+         f" ({held['num_tokens']} tokens, one sample, no interval), where it"
+         f" {'meets' if held['recipe_kl'] <= rec['target_kl'] else 'misses'} the target" if s["heldout"] else
+         " (no held-out prompts)")
+  return "\n\n".join([
+      f"The run: {s['num_sequences']} prompts, {s['num_tokens']} sampled tokens (held out: {held['num_prompts']}"
+      f" prompts, {held['num_tokens']} tokens); {s['seconds']:.0f} s.",
+      reporting.markdown_table(ranking, ["", "most sensitive first (exact KL per token)"]),
+      reporting.markdown_table(recipe, [f"same memory (k = {rec['k']}, {_label(ref)})", "bf16 layers",
+                                        "exact KL (sampled tokens)", "exact KL (held-out prompts)"]),
+      f"Target {rec['target_kl']:.3g}{' (half of k = 0)' if rec['target_auto'] else ''}; {rec['weight_mib']:.3g} MiB"
+      f" of weights (all bf16: {base['all_bf16_mib']:.3g} MiB). Out of sample: the recipe's KL is {inside:.0%} below"
+      f" the edge layers' on the tokens that chose it{out}.",
+      "KL against the number k of bf16 layers (the sensitivity order / the edge order): "
+      + ", ".join(f"k = {e['k']}: {e['sensitivity_kl']:.3g} / {e['edge_kl']:.3g}" for e in s["curve"]) + ".",
+      f"Formats: a layer's KL against its {_label(ref)} KL (geometric mean over the layers): {ratios}; Spearman of"
+      f" the layer KLs against {_label(ref)}'s: {agree}."])
+
+
 def tables(results: dict) -> str:
-  """The markdown report: per-layer and per-kind KLs, the recipe against its baselines."""
+  """The markdown report: the summary, then per-layer and per-kind KLs and the recipe's engine view."""
   points = results["settings"]["perturbations"]
   fmt = results["recipe"]["format"]
   pos = {i: r for r, i in enumerate(results["ranking"]["layers"])}
@@ -26,31 +83,15 @@ def tables(results: dict) -> str:
   kind_pos = {k: r for r, k in enumerate(results["ranking"]["kinds"])}
   kind_rows = [{"kind": r["kind"], **{_short(p): r[p] for p in points},
                 f"rank ({_short(fmt)})": kind_pos[r["kind"]] + 1} for r in results["kinds"]]
-  rec, base = results["recipe"], results["baselines"]
-  k = rec["k"]
-  cmp_rows = [
-      {"recipe": f"sensitivity (k={k})", "bf16 layers": " ".join(map(str, rec["bf16_layers"])) or "-",
-       "exact KL": rec["measured_kl"]},
-      {"recipe": f"edge layers (k={k})", "bf16 layers": " ".join(map(str, base["edge"]["bf16_layers"])) or "-",
-       "exact KL": base["edge"]["kl"]},
-      {"recipe": f"random (k={k}, mean of {len(base['random']['kls'])})", "bf16 layers": "-",
-       "exact KL": base["random"]["kl"]},
-      {"recipe": "all layers quantized (k=0)", "bf16 layers": "-", "exact KL": rec["kl_all_quantized"]},
-      {"recipe": "all layers bf16", "bf16 layers": "all", "exact KL": rec["kl_all_bf16"]},
-  ]
   m = results["model"]
   return "\n\n".join([
       f"# Layer sensitivity: {m.get('path', '')} ({m['model_type']}, {m['num_layers']} layers)",
       f"Exact KL(perturbed || clean) per completion token, {results['num_tokens']} tokens of"
       f" {results['num_sequences']} sequences sampled by the clean model; clean floor {results['kl_clean']:.3g}.",
+      summary(results),
       "## Per layer (all matrices of one layer)", reporting.markdown_table(layer_rows),
       "## Per module kind (that projection in every layer)", reporting.markdown_table(kind_rows),
-      f"## Recipe ({fmt}; target KL {rec['target_kl']:.4g}{' = half of k=0' if rec['target_auto'] else ''},"
-      f" {'met' if rec['target_met'] else 'NOT met'})",
-      reporting.markdown_table(cmp_rows),
-      f"Weights: {rec['weight_mib']:.2f} MiB (all bf16: {base['all_bf16_mib']:.2f} MiB). Engine view:\n\n"
-      f"    {rec['engine_view']}",
-      "## KL against the number k of bf16 layers", reporting.markdown_table(results["curve"]),
+      f"Engine view of the recipe:\n\n    {results['recipe']['engine_view']}",
   ]) + "\n"
 
 

