@@ -377,8 +377,7 @@ def markdown(result: dict, other: dict | None) -> str:
   lines += ["", "Stage wall times (s): " + ", ".join(f"{k} {v['wall_s']}" for k, v in result["stages"].items())
             + ("" if result["complete"] else " (incomplete: the stages not listed did not finish)"), "", "Figures:", ""]
   lines += [f"- `{p}`" for c in result["claims"].values() for p in c.get("pngs", [])]
-  import reproduce_report  # scripts/: the renderers docs/reproduction.md uses too
-
+  reproduce_report = _script("reproduce_report")  # scripts/: the renderers docs/reproduction.md uses too
   lines += ["", f"Evidence ({result['task']}): the numbers each verdict rule used", "",
             reproduce_report.evidence(result)]
   return "\n".join(lines) + "\n"

@@ -512,7 +512,11 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   reporting.write_json(os.path.join(args.out, "time_to_quality.json"), result)
   plot(runs, os.path.join(args.out, "time_to_quality.png"))
-  import ttq_report  # scripts/: the renderers the docs use too
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("ttq_report", os.path.join(os.path.dirname(__file__), "ttq_report.py"))
+  ttq_report = importlib.util.module_from_spec(spec)  # scripts/: the renderers the docs use too
+  spec.loader.exec_module(ttq_report)
 
   if (result["speedup_async_k1_vs_best_sync"] or {}).get("median") is not None:
     print(ttq_report.summary(result), ttq_report.table(result), sep="\n\n")

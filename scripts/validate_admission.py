@@ -104,18 +104,20 @@ def markdown(res: dict) -> str:
   (agreement against accept-all and reject-all)."""
   from opdjax.analyses import verdicts  # scipy: imported where it is needed
 
-  rows = res["validation"]["rows"]
+  rows, metrics = res["validation"]["rows"], res["budget"]["fit"]["metrics"]  # (a task without a verifier: no accuracy)
   admit, train = [v["admit_s"] for v in rows], [v["train_s"] for v in rows]
-  table = [[v["name"], v["verdict"], f"{v['reverse_kl_median']:.3g} ({', '.join(f'{x:.3g}' for x in v['reverse_kl'])})",
-            f"{v['accuracy_median']:.3g}", "yes" if v["quality_ok"] else "no",
+  seeds = lambda v, m: f" ({', '.join(f'{x:.3g}' for x in v[m])})" if m == "reverse_kl" else ""  # noqa: E731
+  table = [[v["name"], v["verdict"], *(f"{v[f'{m}_median']:.3g}{seeds(v, m)}" for m in metrics),
+            "yes" if v["quality_ok"] else "no",
             "yes" if v["agrees"] else "**no** (" + ("too strict" if v["verdict"] == "reject" else "false accept") + ")"]
            for v in rows]
+  heads = ["reverse KL median (seeds)" if m == "reverse_kl" else f"{m.replace('_', ' ')} median" for m in metrics]
   rule = verdicts.admission_vs_trivial(rows, budget_trusted=not res["budget"].get("warning"))
   ev = rule.evidence
   return (f"{sum(train) / 60:.1f} minutes of training; admission took {min(admit):.2g}-{max(admit):.2g} s per candidate"
           f" against {min(train):.0f}-{max(train):.0f} s of training per candidate.\n\n"
-          + reporting.markdown_table(table, ["candidate", "verdict", "reverse KL median (seeds)", "accuracy median",
-                                             "quality within tolerance", "verdict right"])
+          + reporting.markdown_table(table, ["candidate", "verdict", *heads, "quality within tolerance",
+                                             "verdict right"])
           + f"\n\n{ev['agree']} of {ev['total']} verdicts agree with the trained quality; accepting every candidate"
           f" would agree on {ev['accept_all']}, rejecting every one on {ev['reject_all']}; false accepts:"
           f" {', '.join(ev['false_accepts']) or 'none'}. The rule of claim 5: **{rule.outcome}** ({rule.reason}).")

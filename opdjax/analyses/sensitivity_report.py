@@ -50,8 +50,11 @@ def summary(results: dict) -> str:
             ["all layers quantized (k = 0) / all bf16", "", f"{rec['kl_all_quantized']:.3g} / {rec['kl_all_bf16']:.2g}",
              ""]]
   ref = rec["format"]
-  geo = lambda p: math.exp(sum(math.log(e[p] / e[ref]) for e in s["layers"]) / len(s["layers"]))  # noqa: E731
-  ratios = ", ".join(f"{_label(p)} {geo(p):.2g}x" for p in s["settings"]["perturbations"] if p != ref)
+  def geo(p):  # the geometric mean over layers of p's KL over the reference format's (layers where both are > 0)
+    logs = [math.log(e[p] / e[ref]) for e in s["layers"] if e[p] > 0 and e[ref] > 0]
+    return f"{math.exp(sum(logs) / len(logs)):.2g}x" if logs else "n/a (no layer with both KLs > 0)"
+
+  ratios = ", ".join(f"{_label(p)} {geo(p)}" for p in s["settings"]["perturbations"] if p != ref)
   agree = ", ".join(f"{_label(p)} {x:.2f}" for p, x in s["format_agreement"].items())
   inside = 1 - rec["measured_kl"] / base["edge"]["kl"]
   out = (f" and {1 - held['recipe_kl'] / held['edge_kl']:.0%} below on {held['num_prompts']} held-out prompts"
