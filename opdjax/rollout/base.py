@@ -125,7 +125,6 @@ def _longest_repeat(t: np.ndarray) -> int:
   return best
 
 
-
 @flax.struct.dataclass
 class ScoredRollout(Rollout):
   """A rollout with the teacher's final hidden states on its sequences, `[B, L, D]` in the teacher's

@@ -204,9 +204,8 @@ SERVER_WHERE = "served by vLLM (teacher.serve=vllm)"  # the teacher whose answer
 class Objective:
   """One registered objective: what it needs from the teacher (`needs(cfg)`: a set of SAMPLED, TOPK,
   STUDENT_IDS, FULL), its per-token term from both distributions (`term(logp_s, logp_t, lp_s, lp_t, rkl, mask,
-  cfg)`) and,
-  where a served teacher's answer suffices, from that answer (`served(logp_s, lp_s, lp_t, teacher, mask,
-  cfg)`; None: it needs more than a server returns)."""
+  cfg)`) and, where a served teacher's answer suffices, from that answer (`served(logp_s, lp_s, lp_t, teacher,
+  mask, cfg)`; None: it needs more than a server returns)."""
 
   name: str
   needs: object
