@@ -81,7 +81,7 @@ def test_the_cpu_recipe_runs_as_written(tmp_path, monkeypatch):
   assert "--config.model.dtype=float32" in argv and "--config.optim.total_steps=0" in argv
   monkeypatch.setenv("OPDJAX_CACHE", str(tmp_path / "cache"))
   folder = fetch.model_dir(commands[0][3])
-  tiny_hub.model_folder(folder, 32, 4, seed=1)
+  tiny_hub.model_folder(folder, 32, 2, seed=1)
   (tmp_path / "cache" / "models" / commands[0][3] / "SOURCE.json").write_text(json.dumps({"name": "tiny"}))
   monkeypatch.chdir(tmp_path)
   assert cli.main(commands[0][1:]) == 0

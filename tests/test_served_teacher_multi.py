@@ -23,8 +23,10 @@ from opdjax.models import Model
 from opdjax.models.hf_io import save_hf_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 5
+STEPS = 3  # the losses of each step compared: 2-process against 1, async against lag=1
 BATCH = 8  # rollouts a step, in every run here and in the rollout server the lag test's runs attach to
+# The tests run in their file order, the admit test last: a module's server starts at its first test and idles
+# (~1% of a core) until the module ends, so the bf16 one serves that test alone and none idles through the sigkill.
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +135,47 @@ def _losses(out) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_a_sigkilled_two_process_trainer_leaves_no_teacher_server(files, tmp_path):
+  """Both trainer processes SIGKILLed once process 0's teacher server answers: every process of that server
+  (supervisor, API server, engine core) is gone within 10 s, as the rollout servers' are (test_orphans)."""
+  import signal
+  import time
+
+  from test_orphans import GONE_WITHIN_S, children_of
+
+  port, procs = free_port(), []
+  (tmp_path / "run").mkdir()
+  for i in range(2):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "2"}
+    env.pop("OPDJAX_SIDECAR_TOKEN", None)
+    with open(tmp_path / f"proc{i}.log", "w") as log:
+      procs.append(subprocess.Popen([sys.executable, "-m", "opdjax.cli",
+                                     *_args(files, tmp_path / "run" / "out", ["--config.train.steps=400"]),
+                                     "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                                     str(i)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+  try:
+    deadline = time.time() + 600
+    while time.time() < deadline and "OPD: step" not in (tmp_path / "proc0.log").read_text():
+      assert all(p.poll() is None for p in procs), (tmp_path / "proc0.log").read_text()[-3000:]
+      time.sleep(0.5)
+    alive = children_of(procs[0].pid)
+    assert alive, "no teacher server found alive: the search would pass anything"
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.kill(p.pid, signal.SIGKILL)
+      p.wait()
+  t0, left = time.time(), alive
+  while left and time.time() - t0 < GONE_WITHIN_S:
+    time.sleep(0.05)
+    left = children_of(procs[0].pid)
+  for pid in left:
+    os.kill(pid, signal.SIGKILL)
+  assert not left, f"{len(left)} of the teacher server's {len(alive)} processes alive {GONE_WITHIN_S:.0f} s later"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_two_processes_with_a_served_teacher_equal_one_process(files, teacher_url, tmp_path):
   url, token = teacher_url
   _run(files, tmp_path / "one", 1, [f"--config.teacher.vllm.url={url}"], token=token)
@@ -145,6 +188,25 @@ def test_two_processes_with_a_served_teacher_equal_one_process(files, teacher_ur
   worst = max(abs(x / y - 1) for x, y in zip(b, a))
   print(f"served teacher, 2 processes vs 1: max relative loss difference {worst:.2e}")
   np.testing.assert_allclose(b, a, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_teacher_preflight_refuses_before_anything_is_trained(files, teacher_url, tmp_path, monkeypatch, capsys):
+  """teacher.preflight=true: the run's own pre-flight, before step 1; a budget below the fp32 server's rounding
+  refuses it with the table printed and nothing trained."""
+  from opdjax import cli
+
+  url, token = teacher_url
+  monkeypatch.setenv("OPDJAX_SIDECAR_TOKEN", token)
+  budget = _budget(files, tmp_path, 1e-15)
+  out = tmp_path / "run"
+  rc = cli.main(["train", *_args(files, out, [f"--config.teacher.vllm.url={url}", "--config.teacher.preflight=true",
+                                              f"--config.train.budget={budget}"])[1:]])
+  err = capsys.readouterr().err
+  assert rc == 2 and "teacher.preflight refused the served teacher" in err, err[-2000:]
+  assert "opdjax admit --teacher: 8 probe rows" in err and "refuse" in err
+  assert not (out / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
@@ -193,63 +255,3 @@ def test_admit_teacher_admits_fp32_reports_bf16_and_refuses_a_wrong_replica(file
   assert figures["fp32"][0] < 1e-6  # fp32 against fp32: rounding
   assert figures["bf16"][0] > 10 * max(figures["fp32"][0], 1e-9)  # bf16 is visibly further, and reported
   assert figures["wrong"][0] < 1e-6 and figures["wrong"][1] > 1e-3  # the wrong replica alone is refused
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_sigkilled_two_process_trainer_leaves_no_teacher_server(files, tmp_path):
-  """Both trainer processes SIGKILLed once process 0's teacher server answers: every process of that server
-  (supervisor, API server, engine core) is gone within 10 s, as the rollout servers' are (test_orphans)."""
-  import signal
-  import time
-
-  from test_orphans import GONE_WITHIN_S, children_of
-
-  port, procs = free_port(), []
-  (tmp_path / "run").mkdir()
-  for i in range(2):
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_NUM_CPU_DEVICES": "2"}
-    env.pop("OPDJAX_SIDECAR_TOKEN", None)
-    with open(tmp_path / f"proc{i}.log", "w") as log:
-      procs.append(subprocess.Popen([sys.executable, "-m", "opdjax.cli",
-                                     *_args(files, tmp_path / "run" / "out", ["--config.train.steps=400"]),
-                                     "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
-                                     str(i)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-  try:
-    deadline = time.time() + 600
-    while time.time() < deadline and "OPD: step" not in (tmp_path / "proc0.log").read_text():
-      assert all(p.poll() is None for p in procs), (tmp_path / "proc0.log").read_text()[-3000:]
-      time.sleep(0.5)
-    alive = children_of(procs[0].pid)
-    assert alive, "no teacher server found alive: the search would pass anything"
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        os.kill(p.pid, signal.SIGKILL)
-      p.wait()
-  t0, left = time.time(), alive
-  while left and time.time() - t0 < GONE_WITHIN_S:
-    time.sleep(0.05)
-    left = children_of(procs[0].pid)
-  for pid in left:
-    os.kill(pid, signal.SIGKILL)
-  assert not left, f"{len(left)} of the teacher server's {len(alive)} processes alive {GONE_WITHIN_S:.0f} s later"
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_teacher_preflight_refuses_before_anything_is_trained(files, teacher_url, tmp_path, monkeypatch, capsys):
-  """teacher.preflight=true: the run's own pre-flight, before step 1; a budget below the fp32 server's rounding
-  refuses it with the table printed and nothing trained."""
-  from opdjax import cli
-
-  url, token = teacher_url
-  monkeypatch.setenv("OPDJAX_SIDECAR_TOKEN", token)
-  budget = _budget(files, tmp_path, 1e-15)
-  out = tmp_path / "run"
-  rc = cli.main(["train", *_args(files, out, [f"--config.teacher.vllm.url={url}", "--config.teacher.preflight=true",
-                                              f"--config.train.budget={budget}"])[1:]])
-  err = capsys.readouterr().err
-  assert rc == 2 and "teacher.preflight refused the served teacher" in err, err[-2000:]
-  assert "opdjax admit --teacher: 8 probe rows" in err and "refuse" in err
-  assert not (out / "metrics.jsonl").exists()
