@@ -193,6 +193,7 @@ def test_a_run_state_comes_back_whole_from_its_checkpoint(tmp_path):
 
   from opdjax.errors import UserError
   from opdjax.pipeline.checkpoint import CheckpointOfAnotherModel, RunState
+  from opdjax.pipeline.run_state import CheckpointOfAnotherLayout
   from opdjax.training.step import OptimConfig, TrainState, make_optimizer
   from opdjax.views.view import EngineView
 
@@ -212,6 +213,14 @@ def test_a_run_state_comes_back_whole_from_its_checkpoint(tmp_path):
   back = ckpt.restore_run(6, state(0), student_config={"hidden_size": 32})
   with pytest.raises(CheckpointOfAnotherModel, match="hidden_size: 32 in the checkpoint, 48 now"):
     ckpt.restore_run(6, state(0), student_config={"hidden_size": 48})
+  # A checkpoint of an earlier train-state layout (its metadata has no state_layout): refused before any array is
+  # read, with what to do, and left where it is.
+  old_meta = {k: v for k, v in run.meta().items() if k != "state_layout"}
+  ckpt.save(7, run.tree(), old_meta)
+  ckpt.wait()
+  with pytest.raises(CheckpointOfAnotherLayout, match="layout 1, written by another opdjax version.*opdjax export"):
+    ckpt.restore_run(7, state(0), student_config={"hidden_size": 32})
+  assert ckpt.all_steps() == [6, 7]
   ckpt.close()
   assert isinstance(CheckpointOfAnotherModel("x"), UserError)
   for a, b in zip(jax.tree.leaves((run.train, run.history)), jax.tree.leaves((back.train, back.history)), strict=True):

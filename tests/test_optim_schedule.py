@@ -1,26 +1,75 @@
 """The learning-rate schedule follows the run: optim.total_steps 0 is train.steps, warmup capped to a fraction of
 the schedule, and a hand-set schedule that does not fit the run is said in one line at start."""
 
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 from opdjax.config.defaults import default_config
 from opdjax.config.loader import apply_overrides
 from opdjax.config.schema import build
-from opdjax.training.step import WARMUP_FRACTION, OptimConfig, make_optimizer
+from opdjax.training.step import (
+  WARMUP_FRACTION,
+  OptimConfig,
+  ScheduleState,
+  TrainState,
+  learning_rate,
+  make_optimizer,
+  schedule_arrays,
+  scheduled_lr,
+  with_schedule,
+)
 
 
 def _cfg(**overrides):
   return build(apply_overrides(default_config(), {f"{k.replace('__', '.')}": str(v) for k, v in overrides.items()}))
 
 
+def _state(optim: OptimConfig, count: int = 0) -> ScheduleState:
+  return ScheduleState(count=jnp.asarray(count, jnp.int32), **schedule_arrays(optim))
+
+
+_LRS = jax.jit(lambda s, counts: jax.vmap(lambda c: scheduled_lr(s._replace(count=c)))(counts))
+
+
 def _lrs(optim: OptimConfig, steps: int) -> list[float]:
-  """The learning rates of steps 0..steps of make_optimizer's schedule (the same optax call)."""
-  make_optimizer(optim)  # builds
-  f = optax.warmup_cosine_decay_schedule(0.0, optim.learning_rate, max(optim.warmup_steps, 1),
-                                         max(optim.total_steps, optim.warmup_steps + 1),
-                                         optim.learning_rate * optim.end_lr_fraction)
-  return [float(f(i)) for i in range(steps + 1)]
+  """The learning rates of updates 0..steps of make_optimizer's schedule (ScheduleState), as the step computes them."""
+  return [float(x) for x in _LRS(_state(optim), jnp.arange(steps + 1, dtype=jnp.int32))]
+
+
+@pytest.mark.parametrize("lr", [5e-3, 1e-5, 3e-2, 1.0])
+def test_the_schedule_in_the_state_is_optaxs_warmup_cosine_bit_for_bit(lr):
+  """Against optax.warmup_cosine_decay_schedule jitted, as the step computed it when the schedule was a constant
+  of the program (XLA turns its division by the constant decay length into a product with the reciprocal, which
+  scheduled_lr writes out): every update 0..600 of warmups 1-60 and schedules 2-500 steps, equal in every bit."""
+  counts = jnp.arange(601, dtype=jnp.int32)
+  for warmup, total, end in itertools.product([1, 2, 10, 60], [2, 8, 20, 300, 500], [0.1, 0.0]):
+    optim = OptimConfig(learning_rate=lr, warmup_steps=warmup, total_steps=total, end_lr_fraction=end)
+    ref = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total, warmup + 1), lr * end)
+    np.testing.assert_array_equal(np.asarray(_LRS(_state(optim), counts)), np.asarray(jax.jit(jax.vmap(ref))(counts)),
+                                  err_msg=str(optim))
+  assert _LRS._cache_size() == 1  # forty schedules, one program
+
+
+def test_a_restored_state_keeps_its_count_and_takes_its_configs_schedule():
+  params = {"w": jnp.ones((3,))}
+  old = TrainState.create(params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1, total_steps=2)))
+  grads = {"w": jnp.full((3,), 0.5)}
+  opt = make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1, total_steps=2))
+  for _ in range(2):
+    updates, opt_state = opt.update(grads, old.opt_state, old.params)
+    old = old.replace(params=optax.apply_updates(old.params, updates), opt_state=opt_state, step=old.step + 1)
+  longer = OptimConfig(learning_rate=1e-3, warmup_steps=1, total_steps=3)
+  fresh = TrainState.create(params, make_optimizer(longer))
+  resumed = with_schedule(old, fresh)
+  assert float(learning_rate(old.opt_state)) == pytest.approx(1e-4)  # the 2-step schedule has ended
+  assert float(learning_rate(resumed.opt_state)) == pytest.approx(float(scheduled_lr(_state(longer, 2))))
+  assert float(learning_rate(resumed.opt_state)) == pytest.approx(0.55e-3, rel=1e-6)  # halfway down the longer one
+  np.testing.assert_array_equal(resumed.opt_state[1][0].mu["w"], old.opt_state[1][0].mu["w"])  # moments as saved
 
 
 def test_total_steps_follows_train_steps_and_warmup_is_capped():

@@ -183,6 +183,11 @@ def test_resume_refuses_meaning_changes_and_records_extensions(demo_cache, tmp_p
   history = [json.loads(line) for line in open(out / "config_history.jsonl")]
   assert [h["resumed"] for h in history] == [False, True]
   assert history[1]["changes"]["train.steps"] == [2, 3]
+  # The resumed update follows the 3-step schedule (halfway down its cosine: 0.55 x the peak), not the saved
+  # state's 2-step one (ended: 0.1 x); the first two updates ran the 2-step one (a warmup from 0, then the peak).
+  peak = json.loads(config_before)["optim"]["learning_rate"]
+  lrs = [r["learning_rate"] for r in _records(out) if "learning_rate" in r]
+  assert lrs == [0.0, pytest.approx(peak), pytest.approx(0.55 * peak, rel=1e-6)], lrs
   assert [r["step"] for r in _records(out)] == [0, 1, 2, 3]
 
 

@@ -54,6 +54,27 @@ def test_step_reduces_reverse_kl_and_compiles_once(kind):
   assert jax.tree.leaves(old.params)[0].is_deleted()  # the state was donated
 
 
+def test_runs_that_differ_only_in_their_schedule_share_one_compiled_step():
+  """The step lowered for a 3-step and a 300-step schedule with other learning rates and warmups is one program
+  (the text XLA compiles and JAX's persistent cache keys on): a sweep over them, or a resumed run given more
+  steps, compiles nothing new. Their learning rates still differ: they are the state's, not the program's."""
+  student, teacher = Model(_cfg(hidden=16, layers=1)), Model(_cfg())
+  params, t_params = student.init(jax.random.key(0)), teacher.init(jax.random.key(1))
+  batch = _batch(np.random.default_rng(0), 2, 6, 48)
+  texts, lrs = set(), []
+  for optim in (OptimConfig(learning_rate=1e-3, warmup_steps=1, total_steps=3),
+                OptimConfig(learning_rate=5e-2, warmup_steps=10, total_steps=300)):
+    opt = make_optimizer(optim)
+    step = make_train_step(student, teacher, LossConfig(), opt)
+    state = jax.eval_shape(lambda p, opt=opt: TrainState.create(p, opt), params)
+    texts.add(step.lower(state, t_params, batch).as_text())
+    state, m0 = step(TrainState.create(jax.tree.map(jnp.copy, params), opt), t_params, batch)
+    lrs.append([float(m0["learning_rate"]), float(step(state, t_params, batch)[1]["learning_rate"])])
+  assert len(texts) == 1
+  # Update 0 of a warmup from 0; update 1: a 1-step warmup's peak, a tenth of a 10-step warmup's.
+  assert lrs == [[0.0, pytest.approx(1e-3)], [0.0, pytest.approx(5e-3)]]
+
+
 def test_sampled_token_opd_on_policy_reduces_reverse_kl():
   """The policy-gradient estimator needs the student's own samples: run it through the engine."""
   from opdjax.rollout import JaxEngine

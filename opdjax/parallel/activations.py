@@ -44,4 +44,7 @@ def traced_on(fn, mesh):
     finally:
       _MESH.reset(token)
 
+  # A partial has no name to copy: its function's names the compiled program (jit_train_step, not jit_wrapped).
+  wrapped.__name__ = wrapped.__qualname__ = getattr(fn, "__name__", getattr(getattr(fn, "func", None), "__name__",
+                                                                             "wrapped"))
   return wrapped

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from opdjax.errors import UserError
 from opdjax.pipeline.checksums import mismatches, tree_checksums
 from opdjax.pipeline.quiet import HeldStderr, LoopClosedNoise, ctrl_c_held
-from opdjax.pipeline.run_state import RunState, package_versions  # noqa: F401 -- their users import them here
+from opdjax.pipeline.run_state import RunState, check_layout, package_versions  # noqa: F401 -- their users import them
 
 CHECKSUMS = "checksums"  # the metadata key: {array path: checksum} of the saved tree
 
@@ -130,6 +130,7 @@ class RunCheckpointer:
     shardings of `train` (a TrainState, concrete or abstract). `student_config`: this run's student,
     refused before any array is read when the checkpoint's differs (CheckpointOfAnotherModel)."""
     meta = self.read_meta(step)
+    check_layout(meta, step, self.directory)
     if student_config is not None and meta["student_config"] != student_config:
       diff = _dict_diff(meta["student_config"], student_config)
       raise CheckpointOfAnotherModel(

@@ -35,6 +35,7 @@ from opdjax.pipeline.outdir import check_out_dir, is_run_dir, mark_run_dir
 from opdjax.pipeline.session import Session
 from opdjax.pipeline.writers import check_installed
 from opdjax.rollout.deploy import check_memory, plan, resolve_servers
+from opdjax.training.step import with_schedule
 from opdjax.views.view import EngineView
 
 # Keys a resumed run may change: they extend it (more steps) or only observe it.
@@ -195,12 +196,16 @@ def _train(session: Session, out_dir: str, ckpt_dir: str, resuming: bool, fallba
     ckpt = RunCheckpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, best_metric=cfg.train.best_metric)
     try:
       # The restore target: checkpoints restore into the shapes and shardings of a new state.
-      run = _resume(ckpt, session.new_state(), session, fallback, command)
+      fresh = session.new_state()
+      run = _resume(ckpt, fresh, session, fallback, command)
       changes = _resumable_changes(out_dir, run.config, cfg)
     except BaseException:
       ckpt.close()
       raise
-    start, state, last_eval, history = run.step, run.train, run.last_eval, (run.history_versions, run.history)
+    # The optimizer state as saved, the schedule's hyperparameters as this config gives them (train.steps may grow).
+    start, state, last_eval = run.step, with_schedule(run.train, fresh), run.last_eval
+    history = (run.history_versions, run.history)
+    del fresh  # its params and moments: a second copy of the student's state
     # The sampler as it ran at the checkpoint: the config's view and depth, or where the guard's backoffs took them.
     view, depth = run.view, run.depth
     # The guards' windows: the resumed run's guards act where the uninterrupted run's would.

@@ -15,7 +15,27 @@ import dataclasses
 import importlib.metadata
 from typing import Any
 
+from opdjax.errors import UserError
 from opdjax.views.view import EngineView
+
+# The train state's tree, as a checkpoint's metadata records it. 2: the learning-rate schedule's hyperparameters are
+# arrays in the optimizer state (opdjax.training.step.ScheduleState); 1 (no key): the schedule's count alone.
+STATE_LAYOUT = 2
+
+
+class CheckpointOfAnotherLayout(UserError):
+  """The checkpoint's train state has another tree than this opdjax writes: a refusal before any array is read,
+  not a damaged checkpoint (nothing is moved)."""
+
+
+def check_layout(meta: dict, step: int, directory: str) -> None:
+  got = meta.get("state_layout", 1)
+  if got != STATE_LAYOUT:
+    raise CheckpointOfAnotherLayout(
+        f"checkpoint step {step} in {directory} holds a train state of layout {got}, written by another opdjax"
+        f" version; this one reads layout {STATE_LAYOUT} (the learning-rate schedule inside the optimizer state)."
+        " Export its student with the opdjax that wrote it (`opdjax export`), or train into a new --out folder."
+        " Nothing was moved or overwritten.")
 
 
 def package_versions() -> dict[str, str]:
@@ -76,7 +96,8 @@ class RunState:
            "history_versions": self.history_versions,
            "engine": {"kind": self.kind, "view": str(self.view), "view_fields": dataclasses.asdict(self.view),
                       "async_depth": self.depth, "async_mode": self.async_mode, "sampling": self.sampling},
-           "teacher_view": self.teacher_view, "params_version": self.step, "versions": self.versions}
+           "teacher_view": self.teacher_view, "params_version": self.step, "versions": self.versions,
+           "state_layout": STATE_LAYOUT}
     if self.guard is not None:
       out["guard"] = self.guard
     if self.length_guard is not None:

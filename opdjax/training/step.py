@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -69,16 +70,85 @@ class OptimConfig:
             " optim.total_steps at 0 to follow train.steps.")
 
 
+class ScheduleState(NamedTuple):
+  """The learning-rate schedule inside the optimizer state: its position (`count`, updates applied) and its
+  hyperparameters, as arrays. The compiled step reads them as inputs, so runs that differ only in their schedule
+  (`train.steps`, `optim.total_steps`, `optim.warmup_steps`, `optim.learning_rate`: a sweep, a resumed run given
+  more steps) run one program; as Python constants each such run compiled its own step."""
+
+  count: jax.Array  # int32
+  peak: jax.Array  # float32: learning_rate
+  warmup: jax.Array  # int32: warmup steps, >= 1
+  decay: jax.Array  # float32: steps of the cosine part after the warmup, >= 1
+  alpha: jax.Array  # float32: end / peak
+  one_minus_alpha: jax.Array  # float32: 1 - alpha, rounded once as optax rounds it
+
+
+def schedule_arrays(cfg: OptimConfig) -> dict[str, jax.Array]:
+  """`cfg`'s warmup-cosine schedule as ScheduleState's arrays (those of optax.warmup_cosine_decay_schedule's
+  arguments, rounded from the same Python floats)."""
+  warmup = max(cfg.warmup_steps, 1)
+  end = cfg.learning_rate * cfg.end_lr_fraction
+  alpha = 0.0 if cfg.learning_rate == 0.0 else end / cfg.learning_rate
+  return {"peak": jnp.asarray(cfg.learning_rate, jnp.float32), "warmup": jnp.asarray(warmup, jnp.int32),
+          "decay": jnp.asarray(float(max(cfg.total_steps, warmup + 1) - warmup), jnp.float32),
+          "alpha": jnp.asarray(alpha, jnp.float32), "one_minus_alpha": jnp.asarray(1 - alpha, jnp.float32)}
+
+
+def scheduled_lr(s: ScheduleState) -> jax.Array:
+  """The learning rate at update `s.count`: optax.warmup_cosine_decay_schedule(0, peak, warmup, total, end)'s
+  value, with the same float32 operations in the same order (tests/test_optim_schedule.py: bit for bit)."""
+  frac = 1 - jnp.clip(s.count, 0, s.warmup) / s.warmup
+  warm = -s.peak * frac + s.peak
+  count = jnp.minimum((s.count - s.warmup).astype(jnp.float32), s.decay)
+  cosine = 0.5 * (1 + jnp.cos(jnp.pi * count * (1 / s.decay)))
+  return jnp.where(s.count < s.warmup, warm, s.peak * (s.one_minus_alpha * cosine ** 1.0 + s.alpha))
+
+
+def scale_by_schedule_state(cfg: OptimConfig) -> optax.GradientTransformation:
+  """optax.scale_by_learning_rate(warmup_cosine_decay_schedule(...)) with the schedule held in its state
+  (ScheduleState): the updates times -lr, the count advanced."""
+
+  def init(params):
+    del params
+    return ScheduleState(count=jnp.zeros((), jnp.int32), **schedule_arrays(cfg))
+
+  def update(updates, state, params=None):
+    del params
+    lr = scheduled_lr(state)
+    updates = jax.tree.map(lambda g: jnp.array(-1 * lr, dtype=g.dtype) * g, updates)
+    return updates, state._replace(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-  """The schedule `cfg` names as it is: a run passes `cfg.for_run(train.steps)`."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=max(cfg.warmup_steps, 1),
-      decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
-      end_value=cfg.learning_rate * cfg.end_lr_fraction)
+  """AdamW with gradient clipping and the warmup-cosine schedule `cfg` names as it is (a run passes
+  `cfg.for_run(train.steps)`); the schedule lives in the state (ScheduleState), not in the program."""
   return optax.chain(
       optax.clip_by_global_norm(cfg.max_grad_norm),
-      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+      optax.chain(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2), optax.add_decayed_weights(cfg.weight_decay),
+                  scale_by_schedule_state(cfg)),
   )
+
+
+def _is_schedule(x) -> bool:
+  return isinstance(x, ScheduleState)
+
+
+def learning_rate(opt_state) -> jax.Array | None:
+  """The learning rate the next update of `opt_state` applies (None: an optimizer without ScheduleState)."""
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_schedule) if _is_schedule(x)]
+  return scheduled_lr(found[0]) if found else None
+
+
+def with_schedule(state, fresh):
+  """`state` (a restored TrainState) with the schedule hyperparameters of `fresh` (a new state of this run's
+  config) and its own count: a resumed run follows its config's schedule (a longer `train.steps` stretches it),
+  as it did when the schedule was a constant of the step."""
+  def take(old, new):
+    return new._replace(count=old.count) if _is_schedule(old) else old
+  return state.replace(opt_state=jax.tree.map(take, state.opt_state, fresh.opt_state, is_leaf=_is_schedule))
 
 
 @flax.struct.dataclass
@@ -233,7 +303,11 @@ def accumulate_gradients(grad_fn, params, teacher_params, batch: TrainBatch, mic
 
 def apply_gradients(state: TrainState, grads, metrics: dict, optimizer: optax.GradientTransformation,
                     skip_nonfinite: bool = False):
-  """One optimizer update; adds `grad_norm` (before clipping) and, with `skip_nonfinite`, `skipped`."""
+  """One optimizer update; adds `grad_norm` (before clipping), `learning_rate` (this update's) and, with
+  `skip_nonfinite`, `skipped`."""
+  lr = learning_rate(state.opt_state)
+  if lr is not None:
+    metrics["learning_rate"] = lr
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics["grad_norm"] = optax.tree.norm(grads)
