@@ -41,18 +41,17 @@ def _lrs(optim: OptimConfig, steps: int) -> list[float]:
   return [float(x) for x in _LRS(_state(optim), jnp.arange(steps + 1, dtype=jnp.int32))]
 
 
-@pytest.mark.parametrize("lr", [5e-3, 1e-5, 3e-2, 1.0])
-def test_the_schedule_in_the_state_is_optaxs_warmup_cosine_bit_for_bit(lr):
+def test_the_schedule_in_the_state_is_optaxs_warmup_cosine_bit_for_bit():
   """Against optax.warmup_cosine_decay_schedule jitted, as the step computed it when the schedule was a constant
   of the program (XLA turns its division by the constant decay length into a product with the reciprocal, which
-  scheduled_lr writes out): every update 0..600 of warmups 1-60 and schedules 2-500 steps, equal in every bit."""
+  scheduled_lr writes out): every update 0..600 of 24 schedules, equal in every bit (840 schedules were, once)."""
   counts = jnp.arange(601, dtype=jnp.int32)
-  for warmup, total, end in itertools.product([1, 2, 10, 60], [2, 8, 20, 300, 500], [0.1, 0.0]):
+  for lr, warmup, total, end in itertools.product([5e-3, 1e-5], [1, 10], [2, 20, 500], [0.1, 0.0]):
     optim = OptimConfig(learning_rate=lr, warmup_steps=warmup, total_steps=total, end_lr_fraction=end)
     ref = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total, warmup + 1), lr * end)
     np.testing.assert_array_equal(np.asarray(_LRS(_state(optim), counts)), np.asarray(jax.jit(jax.vmap(ref))(counts)),
                                   err_msg=str(optim))
-  assert _LRS._cache_size() == 1  # forty schedules, one program
+  assert _LRS._cache_size() == 1  # 24 schedules, one program
 
 
 def test_a_restored_state_keeps_its_count_and_takes_its_configs_schedule():
