@@ -97,7 +97,8 @@ def schedule_arrays(cfg: OptimConfig) -> dict[str, jax.Array]:
 
 def scheduled_lr(s: ScheduleState) -> jax.Array:
   """The learning rate at update `s.count`: optax.warmup_cosine_decay_schedule(0, peak, warmup, total, end)'s
-  value, with the same float32 operations in the same order (tests/test_optim_schedule.py: bit for bit)."""
+  float32 operations as XLA compiles them when its arguments are constants (the division by the cosine length
+  becomes a product with its reciprocal): the same value, bit for bit (tests/test_optim_schedule.py)."""
   frac = 1 - jnp.clip(s.count, 0, s.warmup) / s.warmup
   warm = -s.peak * frac + s.peak
   count = jnp.minimum((s.count - s.warmup).astype(jnp.float32), s.decay)
