@@ -70,6 +70,7 @@ print("loaded", flush=True)
 """
 
 
+@pytest.mark.slow  # two processes that import JAX and build a model: ~11 s on the idle 2-core box
 def test_processes_that_miss_a_demo_model_at_once_build_it_once(tmp_path):
   """Two processes asking a fresh cache for the same demo model: one builds it, the other waits for it and
   loads its copy (no second build, no 'exists' error)."""

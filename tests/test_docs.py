@@ -31,10 +31,17 @@ def _demo_line(root) -> tuple[int, str]:
   return next((i + 1, t) for i, t in enumerate(lines) if "<!-- docs.py:demo.line -->" in t)
 
 
-def test_check_passes_on_the_repository(capsys):
+def test_check_passes_on_the_repository(capsys, monkeypatch):
+  """Every figure, digest and path of the docs (the fast tier: the PNGs' pixels are the next test's, and .ci/run's)."""
+  monkeypatch.setattr(core, "check_pngs", lambda root: [])
   assert docs.main(["--check"]) == 0, capsys.readouterr().err
   blocks = [b for p in core.doc_files(ROOT) for b in core.blocks(open(os.path.join(ROOT, p)).read(), p)]
   assert any(b.name == "demo.line" and b.path == "README.md" for b in blocks)
+
+
+@pytest.mark.slow  # redraws the 11 PNGs: ~11 s on the idle 2-core box
+def test_every_png_equals_its_redrawing(capsys):
+  assert core.check_pngs(ROOT) == [], capsys.readouterr().err
 
 
 @pytest.mark.slow  # docs.py --check redraws the PNGs: 5-20 s on a loaded 2-core box
