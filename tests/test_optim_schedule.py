@@ -56,9 +56,9 @@ def test_the_schedule_in_the_state_is_optaxs_warmup_cosine_bit_for_bit():
 
 def test_a_restored_state_keeps_its_count_and_takes_its_configs_schedule():
   params = {"w": jnp.ones((3,))}
-  old = TrainState.create(params, make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1, total_steps=2)))
-  grads = {"w": jnp.full((3,), 0.5)}
   opt = make_optimizer(OptimConfig(learning_rate=1e-3, warmup_steps=1, total_steps=2))
+  old = TrainState.create(params, opt)
+  grads = {"w": jnp.full((3,), 0.5)}
   for _ in range(2):
     updates, opt_state = opt.update(grads, old.opt_state, old.params)
     old = old.replace(params=optax.apply_updates(old.params, updates), opt_state=opt_state, step=old.step + 1)

@@ -182,11 +182,9 @@ def test_sharded_engine_samples_the_single_device_tokens():
 STEPS = 5
 # A quarter of the demo's batch (16: a multiple of every mesh here) and 16 held-out prompts (of 256): the
 # runs compared are the same sizes on either side, so the parity checks do not depend on them. One 8-step
-# learning-rate schedule for every run (5, 8 steps): the schedule is a constant in the compiled train step, so
-# with optim.total_steps following train.steps each run length compiled its own programs (a one-device run: 6.2
-# CPU-s with its programs in the persistent cache, 9.1-9.6 with a changed train.steps, measured 2026-12-07); with
-# one schedule the extended, killed and resumed runs below load the programs the first runs compiled. Both sides
-# of each comparison share it.
+# learning-rate schedule for every run (5, 8 steps), so that the extended runs below continue the schedule their
+# checkpoint started. (It was chosen, 2026-12-07, while the schedule was a constant of the compiled step and each
+# run length compiled its own programs; the schedule is optimizer state now and every length shares them.)
 TRAIN = ["train", "--config", "configs/demo.py", f"--config.train.steps={STEPS}", "--config.task.num_eval=16",
          "--config.rollout.batch_size=16", "--config.optim.total_steps=8"]
 
